@@ -1,0 +1,62 @@
+# transformers-mst. `make help` lists the targets.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+MST := PYTHONPATH=scripts $(PY) -m mstbuild
+WHEEL_DIR := dist
+
+.PHONY: help venv wheel install test demo bench workspace patches rebase clean distclean
+
+help:
+	@echo "make test        bootstrap .venv, build + install the distribution, run the test suite"
+	@echo "make demo        bootstrap, build + install, run the demo (a short training run)"
+	@echo "make bench       bootstrap, build + install, run the benchmark"
+	@echo "make wheel       build dist/transformers-<version>+mst.N-py3-none-any.whl"
+	@echo "make workspace   work/pristine (upstream) + work/patched (git stack of our patches); FORCE=1 discards work/"
+	@echo "make patches     regenerate patches/*.patch and patches/series from work/patched"
+	@echo "make rebase UPSTREAM=X.Y.Z SHA256=<wheel sha256>   try the series on another upstream release"
+	@echo "make clean       remove build outputs and work/;  make distclean  also .venv and .cache"
+
+venv: $(VENV)/.ready
+$(VENV)/.ready: requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -r requirements-dev.txt
+	touch $@
+
+# Built without build isolation from the venv (it has `wheel`); the upstream wheel is
+# downloaded once into .cache/ and verified. `pip install .` works too (see README).
+wheel: venv
+	rm -rf $(WHEEL_DIR)
+	MST_UPSTREAM_WHEEL="$$($(MST) fetch)" $(PIP) wheel --quiet --no-deps --no-build-isolation -w $(WHEEL_DIR) .
+
+install: wheel
+	$(PIP) install --quiet --force-reinstall --no-deps $(WHEEL_DIR)/transformers-*.whl
+	$(PIP) install --quiet $(WHEEL_DIR)/transformers-*.whl -r requirements-test.txt
+
+test: install
+	$(PY) -m pytest tests
+
+demo: install
+	$(PY) scripts/demo.py $(ARGS)
+
+bench: install
+	$(PY) scripts/bench_mini_sequence.py $(ARGS)
+
+workspace: venv
+	$(MST) workspace $(if $(FORCE),--force)
+
+patches: venv
+	$(MST) patches
+
+rebase: venv
+	@test -n "$(UPSTREAM)" -a -n "$(SHA256)" || { echo "usage: make rebase UPSTREAM=X.Y.Z SHA256=<sha256 of transformers-X.Y.Z-py3-none-any.whl>"; exit 2; }
+	$(MST) rebase --upstream $(UPSTREAM) --sha256 $(SHA256)
+
+clean:
+	rm -rf $(WHEEL_DIR) build work .pytest_cache
+	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) .cache

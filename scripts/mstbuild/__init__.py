@@ -1,0 +1,1 @@
+"""Build system of transformers-mst: upstream wheel + patch series + our files -> wheel."""

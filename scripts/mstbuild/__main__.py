@@ -1,0 +1,36 @@
+"""Developer commands: python -m mstbuild {fetch,workspace,patches,rebase} (see `make help`)."""
+
+import argparse
+import sys
+
+from . import core, series
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mstbuild", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("fetch", help="download (or take $MST_UPSTREAM_WHEEL) and verify the pinned upstream wheel; print its path")
+    ws = sub.add_parser("workspace", help="materialize work/pristine and work/patched (git patch stack)")
+    ws.add_argument("--force", action="store_true", help="discard an existing work/ directory")
+    sub.add_parser("patches", help="regenerate patches/*.patch and patches/series from work/patched")
+    rb = sub.add_parser("rebase", help="apply the series to another upstream release; refresh only if all apply")
+    rb.add_argument("--upstream", required=True, help="upstream version, e.g. 5.22.0")
+    rb.add_argument("--sha256", required=True, help="sha256 of that release's py3-none-any wheel")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "fetch":
+            print(series.cached_wheel(core.Pin.load()))
+        elif args.command == "workspace":
+            series.workspace(force=args.force)
+        elif args.command == "patches":
+            series.refresh()
+        elif args.command == "rebase":
+            return 0 if series.rebase(args.upstream, args.sha256) else 1
+    except core.BuildError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

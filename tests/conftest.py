@@ -1,0 +1,58 @@
+"""Shared fixtures: the repository, the pinned upstream wheel, and trees built from it."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from mstbuild import core, series  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pin():
+    return core.Pin.load()
+
+
+@pytest.fixture(scope="session")
+def upstream_wheel(pin):
+    return series.cached_wheel(pin)
+
+
+@pytest.fixture(scope="session")
+def pristine_tree(upstream_wheel, tmp_path_factory):
+    """Upstream's wheel unpacked, untouched: a directory holding transformers/."""
+    return core.unpack_wheel(upstream_wheel, tmp_path_factory.mktemp("pristine"))
+
+
+@pytest.fixture(scope="session")
+def expected_tree(upstream_wheel, tmp_path_factory, monkeypatch_session):
+    """What the installed package must be: pristine + patches/series + src/ overlay."""
+    monkeypatch_session.setenv(core.WHEEL_ENV, str(upstream_wheel))
+    return core.build_patched_tree(tmp_path_factory.mktemp("expected"))
+
+
+@pytest.fixture(scope="session")
+def monkeypatch_session():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def copy_repo(dest: Path) -> Path:
+    """A copy of the project's own files (no venv, caches, work tree or build outputs)."""
+    ignore = shutil.ignore_patterns(".venv", ".cache", "work", "dist", ".git", "__pycache__", ".pytest_cache")
+    shutil.copytree(REPO, dest, ignore=ignore)
+    return dest
+
+
+def run_py(args, cwd=None, env_extra=None, check=False):
+    env = dict(os.environ, **(env_extra or {}))
+    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{args} failed:\n{result.stdout}\n{result.stderr}")
+    return result
