@@ -1,0 +1,58 @@
+"""Validation and chunk-size policy for the ``mini_sequence_chunk`` config field.
+
+This module must stay importable without torch: configuration classes import it at
+construction time.
+
+Allowed values (design.md §2):
+
+- ``None``: mini-sequence processing off, exactly upstream behaviour.
+- ``"auto"``: the paper's policy (MsT §3.4): MLP chunks of ``C = hidden_size`` tokens,
+  LM head split into ``M = ceil(vocab_size / hidden_size)`` mini-sequences.
+- a positive ``int`` C: mini-sequences of C tokens for both the MLP and the LM head.
+"""
+
+import math
+
+
+FIELD_NAME = "mini_sequence_chunk"
+ALLOWED_DESCRIPTION = 'None, "auto", or a positive int (tokens per mini-sequence)'
+
+
+def validate_mini_sequence_chunk(value):
+    """Return ``value`` unchanged if it is a valid ``mini_sequence_chunk``, else raise ``ValueError``.
+
+    ``bool`` is rejected although it subclasses ``int`` (``True`` would silently mean chunks
+    of 1 token); floats are rejected even when integral (``4.0``), so that a typo or a
+    JSON round-trip surprise is reported rather than guessed at.
+    """
+    if value is None:
+        return value
+    if isinstance(value, str) and value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ValueError(f"Invalid `{FIELD_NAME}`={value!r}: expected {ALLOWED_DESCRIPTION}.")
+
+
+def mlp_chunk_size(value, hidden_size: int) -> int:
+    """Tokens per MLP mini-sequence. ``"auto"`` -> ``hidden_size`` (MsT §3.4: C = d keeps
+    the MLP compute-bound, and a sequence no longer than d is not split at all)."""
+    validate_mini_sequence_chunk(value)
+    if value is None:
+        raise ValueError(f"`{FIELD_NAME}` is None: mini-sequence processing is disabled")
+    if value == "auto":
+        return int(hidden_size)
+    return value
+
+
+def lm_head_chunk_size(value, hidden_size: int, vocab_size: int, num_tokens: int) -> int:
+    """Tokens per LM-head mini-sequence. ``"auto"`` -> ``ceil(num_tokens / M)`` with
+    ``M = ceil(vocab_size / hidden_size)`` (MsT §3.4: one chunk of logits [C, V] is then about
+    the size of the hidden states [N, d])."""
+    validate_mini_sequence_chunk(value)
+    if value is None:
+        raise ValueError(f"`{FIELD_NAME}` is None: mini-sequence processing is disabled")
+    if value == "auto":
+        num_mini_sequences = max(1, math.ceil(vocab_size / hidden_size))
+        return max(1, math.ceil(num_tokens / num_mini_sequences))
+    return value

@@ -1,0 +1,69 @@
+"""What the patched model files call: each patched forward adds two lines that call one of these.
+
+- `mlp_forward(mlp, x)`: from `LlamaMLP.forward` & co when `config.mini_sequence_chunk` is set.
+- `computes_loss(model, labels)` / `causal_lm_output(...)`: from `*ForCausalLM.forward`, to compute
+  the LM head + causal-LM loss chunk by chunk instead of materializing [B, S, V] logits.
+"""
+
+from ..loss.loss_utils import ForCausalLMLoss
+from ..modeling_outputs import CausalLMOutputWithPast
+from ..utils import logging
+from .config import lm_head_chunk_size, mlp_chunk_size
+from .loss import mini_sequence_causal_lm_loss
+from .mlp import mini_sequence_mlp
+
+
+logger = logging.get_logger(__name__)
+
+
+def mlp_forward(mlp, hidden_states):
+    """The gated MLP of `mlp` on `hidden_states`, one mini-sequence of tokens at a time."""
+    config = mlp.config
+    return mini_sequence_mlp(mlp, hidden_states, mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size))
+
+
+def computes_loss(model, labels) -> bool:
+    """Whether `model.forward` should compute its loss chunk-wise (and return `logits=None`).
+
+    Only in training mode with labels: in eval and generation the logits are what callers want
+    (metrics, sampling), so the upstream path runs. A model whose loss function was replaced
+    keeps the upstream path too, with a warning, since the chunked loss is ForCausalLMLoss's.
+    """
+    if model.config.mini_sequence_chunk is None or labels is None or not model.training:
+        return False
+    if model.loss_function is not ForCausalLMLoss:
+        logger.warning_once(
+            f"{type(model).__name__}: mini_sequence_chunk is set but the model's loss function is "
+            f"{getattr(model.loss_function, '__name__', model.loss_function)!r}, not ForCausalLMLoss; "
+            "the LM head and loss run unsplit (the MLP is still split)."
+        )
+        return False
+    return True
+
+
+def causal_lm_output(model, hidden_states, labels, outputs, **kwargs) -> CausalLMOutputWithPast:
+    """Loss of `model.lm_head(hidden_states)` against `labels`, chunk by chunk; `logits` is None.
+
+    Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
+    num_items_in_batch) and, for Gemma-2, `final_logit_softcapping` applied per chunk.
+    """
+    config = model.config
+    num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
+    loss = mini_sequence_causal_lm_loss(
+        hidden_states,
+        model.lm_head,
+        labels,
+        chunk_size=lm_head_chunk_size(config.mini_sequence_chunk, config.hidden_size, config.vocab_size, num_tokens),
+        vocab_size=config.vocab_size,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        ignore_index=kwargs.get("ignore_index", -100),
+        shift_labels=kwargs.get("shift_labels"),
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+    )
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )

@@ -1,0 +1,83 @@
+"""Exact live-tensor memory accounting without a GPU (design.md §4).
+
+``LiveTensorTracker`` is a ``TorchDispatchMode``: every tensor an operator returns is looked
+at, its untyped storage is counted once (storages are deduplicated by identity, so views and
+in-place results add nothing), and a weakref callback subtracts the storage's bytes when
+it is freed. This gives the exact peak of live tensor bytes created while the mode is active,
+on any device, including CPU.
+
+Baseline: storages that already existed when the tracker was entered (parameters, inputs)
+are not counted; only allocations made inside the ``with`` block count, and the peak is
+relative to that baseline of 0. Storages allocated inside and still alive at exit stay in
+``current_bytes``.
+
+Limits: allocations made outside the dispatcher (e.g. by a C++ autograd kernel that
+allocates without returning the tensor through an operator call) are invisible; gradient
+tensors created by the autograd engine for accumulation go through operators and are seen.
+"""
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Tracks live tensor storages created while active.
+
+    Attributes:
+        current_bytes: bytes of tracked storages alive now.
+        peak_bytes: maximum of ``current_bytes`` seen.
+        largest_numel: element count of the largest newly allocated tensor.
+        largest_shapes: up to ``keep_largest`` (numel, shape, op name) records, largest first.
+    """
+
+    def __init__(self, keep_largest: int = 5):
+        super().__init__()
+        self.keep_largest = keep_largest
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.largest_numel = 0
+        self.largest_shapes = []
+        self._live = {}  # id(storage) -> (weakref to storage, nbytes)
+
+    def _on_free(self, key, nbytes, _ref):
+        if self._live.pop(key, None) is not None:
+            self.current_bytes -= nbytes
+
+    def _track(self, tensor: torch.Tensor, op_name: str):
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        entry = self._live.get(key)
+        if entry is not None and entry[0]() is storage:
+            return  # already counted (a view, an in-place result, or an out= argument)
+        nbytes = storage.nbytes()
+        numel = tensor.numel()
+        self.largest_numel = max(self.largest_numel, numel)
+        if self.keep_largest and (
+            len(self.largest_shapes) < self.keep_largest or numel > self.largest_shapes[-1][0]
+        ):
+            self.largest_shapes.append((numel, tuple(tensor.shape), op_name))
+            self.largest_shapes.sort(key=lambda r: r[0], reverse=True)
+            del self.largest_shapes[self.keep_largest :]
+        # The callback runs when the storage's Python object dies, i.e. when the last tensor
+        # using it is freed (storages keep their Python object alive as long as they live).
+        ref = weakref.ref(storage, lambda r, k=key, n=nbytes: self._on_free(k, n, r))
+        self._live[key] = (ref, nbytes)
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # In-place / out= ops return an existing tensor: it is only new if its storage is new.
+        known_inputs = set()
+        if func._schema.is_mutable or any(a.alias_info is not None for a in func._schema.returns):
+            for a in tree_flatten((args, kwargs))[0]:
+                if isinstance(a, torch.Tensor):
+                    known_inputs.add(id(a.untyped_storage()))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in known_inputs:
+                self._track(t, str(func))
+        return out

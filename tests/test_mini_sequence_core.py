@@ -1,0 +1,498 @@
+"""Core algorithms of transformers-mst: mini-sequence MLP, mini-sequence LM-head loss, the
+config value validation and the live-tensor memory tracker.
+
+Every numerical test compares against the unsplit upstream computation (the upstream MLP
+module's forward, upstream ``ForCausalLMLoss`` on full logits) with fresh random inputs.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from transformers import Gemma2Config, LlamaConfig
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.mini_sequence import (
+    LiveTensorTracker,
+    lm_head_chunk_size,
+    mini_sequence_causal_lm_loss,
+    mini_sequence_mlp,
+    mlp_chunk_size,
+    validate_mini_sequence_chunk,
+)
+from transformers.mini_sequence import loss as ms_loss
+from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+
+D, I, V = 32, 64, 96
+S = 40
+CHUNKS = [1, 7, 16, S - 1, S + 5]
+
+
+def assert_rel_close(actual, expected, rtol=1e-5, what=""):
+    """Relative error against the scale of ``expected`` (elementwise, normalised by max |expected|)."""
+    assert actual.shape == expected.shape, what
+    assert actual.dtype == expected.dtype, what
+    a, e = actual.double(), expected.double()
+    scale = e.abs().max().clamp(min=1e-30)
+    err = ((a - e).abs().max() / scale).item()
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
+
+
+def llama_mlp(bias=False, dtype=torch.float32):
+    cfg = LlamaConfig(hidden_size=D, intermediate_size=I, mlp_bias=bias, hidden_act="silu")
+    return LlamaMLP(cfg).to(dtype)
+
+
+def gemma2_mlp():
+    cfg = Gemma2Config(hidden_size=D, intermediate_size=I, hidden_activation="gelu_pytorch_tanh")
+    return Gemma2MLP(cfg)
+
+
+def grads_of(out, grad_out, inputs):
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+# --------------------------------------------------------------------------- config values
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.0, 4.0, True, False, "Auto", "x", "", [], {}, 2**0.5])
+def test_validate_rejects(value):
+    with pytest.raises(ValueError) as err:
+        validate_mini_sequence_chunk(value)
+    msg = str(err.value)
+    assert "mini_sequence_chunk" in msg and repr(value) in msg and '"auto"' in msg and "None" in msg
+
+
+@pytest.mark.parametrize("value", [None, "auto", 1, 4096])
+def test_validate_accepts(value):
+    assert validate_mini_sequence_chunk(value) is value
+
+
+def test_chunk_size_policy():
+    assert mlp_chunk_size("auto", 4096) == 4096
+    assert mlp_chunk_size(100, 4096) == 100
+    # Llama-3-8B: V=128256, d=4096 -> M = 32 mini-sequences
+    assert lm_head_chunk_size("auto", 4096, 128256, 8192) == 256
+    assert lm_head_chunk_size("auto", 4096, 128256, 8193) == 257
+    assert lm_head_chunk_size("auto", 64, 100, 7) == 4  # M = 2
+    assert lm_head_chunk_size(33, 4096, 128256, 8192) == 33
+
+
+def test_config_module_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib.util; sys.modules['torch'] = None\n"
+        "import transformers.mini_sequence as m\n"
+        "assert m.validate_mini_sequence_chunk('auto') == 'auto'\n"
+    )
+    # transformers itself may import torch lazily; load our package file-by-file instead.
+    path = __import__("transformers.mini_sequence.config", fromlist=["x"]).__file__
+    code = (
+        "import sys, importlib.util; sys.modules['torch'] = None\n"
+        f"spec = importlib.util.spec_from_file_location('cfg', {path!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "assert m.validate_mini_sequence_chunk('auto') == 'auto'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- MLP
+
+
+def check_mlp(mlp, chunk, batch=2, seq=S, x_requires_grad=True, rtol=1e-5, dtype=torch.float32):
+    x = torch.randn(batch, seq, D, dtype=dtype, requires_grad=x_requires_grad)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    inputs = ([x] if x_requires_grad else []) + params
+    ref = mlp(x)
+    grad_out = torch.randn_like(ref)
+    ref_grads = grads_of(ref, grad_out, inputs)
+    out = mini_sequence_mlp(mlp, x, chunk)
+    got = grads_of(out, grad_out, inputs)
+    assert_rel_close(out, ref, rtol, "output")
+    for g, r in zip(got, ref_grads):
+        assert_rel_close(g, r, rtol, "grad")
+    return out
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_mlp_llama_matches_unsplit(chunk):
+    torch.manual_seed(chunk)
+    check_mlp(llama_mlp(), chunk)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, S - 1])
+def test_mlp_gemma2_gelu_tanh(chunk):
+    torch.manual_seed(100 + chunk)
+    check_mlp(gemma2_mlp(), chunk)
+
+
+def test_mlp_with_bias_and_batch3():
+    torch.manual_seed(1)
+    check_mlp(llama_mlp(bias=True), 6, batch=3)
+
+
+def test_mlp_only_params_need_grad():
+    torch.manual_seed(2)
+    check_mlp(llama_mlp(), 7, x_requires_grad=False)
+
+
+def test_mlp_only_input_needs_grad():
+    torch.manual_seed(3)
+    mlp = llama_mlp().requires_grad_(False)
+    check_mlp(mlp, 7)
+
+
+def test_mlp_short_sequence_takes_unsplit_path():
+    torch.manual_seed(4)
+    mlp = llama_mlp()
+    x = torch.randn(2, 16, D, requires_grad=True)
+    out = mini_sequence_mlp(mlp, x, 16)
+    assert torch.equal(out, mlp(x))
+    assert type(out.grad_fn).__name__ != "BackwardCFunction"  # no custom Function involved
+
+
+def test_mlp_no_grad_path():
+    torch.manual_seed(5)
+    mlp = llama_mlp()
+    x = torch.randn(2, S, D)
+    with torch.no_grad():
+        out = mini_sequence_mlp(mlp, x, 7)
+        assert_rel_close(out, mlp(x), 1e-6, "no_grad")
+    assert out.grad_fn is None
+
+
+def test_mlp_param_hooks_fire_once():
+    # Gradients come out of the Function once per parameter (DDP/FSDP hooks rely on it).
+    torch.manual_seed(6)
+    mlp = llama_mlp()
+    calls = {}
+    for name, p in mlp.named_parameters():
+        p.register_hook(lambda g, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
+    x = torch.randn(1, S, D, requires_grad=True)
+    mini_sequence_mlp(mlp, x, 7).sum().backward()
+    assert calls == {n: 1 for n, _ in mlp.named_parameters()}
+
+
+def test_mlp_bf16_within_bf16_tolerance():
+    torch.manual_seed(7)
+    mlp32 = llama_mlp()
+    mlp16 = llama_mlp(dtype=torch.bfloat16)
+    mlp16.load_state_dict(mlp32.state_dict())
+    x32 = torch.randn(2, S, D)
+    g32 = torch.randn(2, S, D)
+    x16 = x32.bfloat16().requires_grad_()
+    ref = mlp16(x16)
+    ref_grads = grads_of(ref, g32.bfloat16(), [x16, *mlp16.parameters()])
+    out = mini_sequence_mlp(mlp16, x16, 7)
+    got = grads_of(out, g32.bfloat16(), [x16, *mlp16.parameters()])
+    assert out.dtype == torch.bfloat16
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    for a, b in zip([out, *got], [ref, *ref_grads]):
+        assert_rel_close(a, b, 2e-2, "bf16")
+
+
+def test_mlp_autocast_recompute_uses_forward_autocast_state():
+    torch.manual_seed(8)
+    mlp = llama_mlp()
+    x = torch.randn(2, S, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = mlp(x)
+        out = mini_sequence_mlp(mlp, x, 7)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    g = torch.randn_like(ref)
+    # backward deliberately outside autocast: the recomputation must re-enter it
+    ref_grads = grads_of(ref, g, [x, *mlp.parameters()])
+    got = grads_of(out, g, [x, *mlp.parameters()])
+    for a, b in zip([out, *got], [ref, *ref_grads]):
+        assert_rel_close(a, b, 2e-2, "autocast")
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_mlp_inside_gradient_checkpointing(use_reentrant):
+    torch.manual_seed(9)
+    mlp = llama_mlp()
+    norm = nn.LayerNorm(D)
+    x = torch.randn(2, S, D, requires_grad=True)
+    params = [x, *mlp.parameters(), *norm.parameters()]
+
+    def block(h, chunk):
+        h = norm(h)
+        return h + (mini_sequence_mlp(mlp, h, chunk) if chunk else mlp(h))
+
+    ref = block(x, None)
+    g = torch.randn_like(ref)
+    ref_grads = grads_of(ref, g, params)
+    out = torch.utils.checkpoint.checkpoint(block, x, 7, use_reentrant=use_reentrant)
+    if use_reentrant:
+        torch.autograd.backward(out, g)  # reentrant checkpoint does not support autograd.grad
+        got = [p.grad for p in params]
+    else:
+        got = grads_of(out, g, params)
+    assert_rel_close(out, ref, 1e-5, "output")
+    for a, b in zip(got, ref_grads):
+        assert_rel_close(a, b, 1e-5, "grad")
+
+
+def _lora_mlp(dropout):
+    peft = pytest.importorskip("peft")
+    mlp = llama_mlp()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["gate_proj", "up_proj", "down_proj"])
+    mlp = peft.inject_adapter_in_model(cfg, mlp)
+    for name, p in mlp.named_parameters():
+        if "lora_B" in name:  # LoRA B starts at zero; make the adapter contribute
+            nn.init.normal_(p, std=0.1)
+    return mlp
+
+
+def test_mlp_peft_lora():
+    torch.manual_seed(10)
+    mlp = _lora_mlp(0.0)
+    trainable = [n for n, p in mlp.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    check_mlp(mlp, 7)
+
+
+def test_mlp_peft_lora_dropout_recompute_draws_same_masks():
+    # With dropout, the reference is the same chunked computation under plain autograd with the
+    # same seed: the recomputation in backward must reproduce the forward's dropout masks.
+    torch.manual_seed(11)
+    mlp = _lora_mlp(0.3).train()
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    x = torch.randn(2, S, D, requires_grad=True)
+    g = torch.randn(2, S, D)
+    torch.manual_seed(123)
+    ref = torch.cat([mlp(x[:, s : s + 7]) for s in range(0, S, 7)], dim=1)
+    ref_grads = grads_of(ref, g, [x, *params])
+    torch.manual_seed(123)
+    out = mini_sequence_mlp(mlp, x, 7)
+    state_after_forward = torch.get_rng_state()
+    got = grads_of(out, g, [x, *params])
+    assert torch.equal(torch.get_rng_state(), state_after_forward)  # backward leaves RNG alone
+    for a, b in zip([out, *got], [ref, *ref_grads]):
+        assert_rel_close(a, b, 1e-5, "lora dropout")
+
+
+# --------------------------------------------------------------------------- LM head + loss
+
+
+def reference_loss(hidden, head, labels, softcap=None, **kw):
+    logits = head(hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return ForCausalLMLoss(logits, labels, V, **kw)
+
+
+def make_labels(batch, seq, ignored_row=True):
+    labels = torch.randint(0, V, (batch, seq))
+    labels[0, :5] = -100
+    labels[0, -3:] = -100  # right padding
+    if ignored_row and batch > 1:
+        labels[1] = -100
+    return labels
+
+
+@pytest.fixture(params=["own", "torch_lce"])
+def loss_path(request, monkeypatch):
+    """``own``: the mini-sequence Function; ``torch_lce``: torch's linear_cross_entropy where it applies."""
+    if request.param == "own":
+        monkeypatch.setattr(ms_loss, "_can_use_linear_cross_entropy", lambda *a: False)
+    return request.param
+
+
+def check_loss(head, chunk, batch=3, seq=S, softcap=None, rtol=1e-5, inputs_extra=(), make_hidden=None, **kw):
+    labels = kw.pop("labels", None)
+    if labels is None:
+        labels = make_labels(batch, seq)
+    hidden = make_hidden() if make_hidden else torch.randn(batch, seq, D, requires_grad=True)
+    leaves = [hidden] if hidden.is_leaf else []
+    inputs = leaves + [p for p in head.parameters() if p.requires_grad] + list(inputs_extra)
+    ref = reference_loss(hidden, head, labels, softcap=softcap, **kw)
+    ref_grads = torch.autograd.grad(ref, inputs)
+    got_loss = mini_sequence_causal_lm_loss(
+        hidden, head, labels, chunk_size=chunk, vocab_size=V, final_logit_softcapping=softcap, **kw
+    )
+    got_grads = torch.autograd.grad(got_loss, inputs)
+    assert got_loss.shape == ref.shape == ()
+    assert_rel_close(got_loss, ref, rtol, "loss")
+    for a, b in zip(got_grads, ref_grads):
+        assert_rel_close(a, b, rtol, "grad")
+
+
+@pytest.mark.parametrize("chunk", CHUNKS + [3 * S - 1, 3 * S + 5])
+def test_loss_matches_upstream(chunk, loss_path):
+    torch.manual_seed(20 + chunk)
+    check_loss(nn.Linear(D, V, bias=False), chunk)
+
+
+@pytest.mark.parametrize(
+    "num_items", [7, torch.tensor(13), torch.tensor(13.0)], ids=["int", "tensor_int", "tensor_float"]
+)
+def test_loss_num_items_in_batch(num_items, loss_path):
+    torch.manual_seed(21)
+    check_loss(nn.Linear(D, V, bias=False), 7, num_items_in_batch=num_items)
+
+
+def test_loss_shift_labels(loss_path):
+    torch.manual_seed(22)
+    shift = make_labels(3, S)
+    check_loss(nn.Linear(D, V, bias=False), 7, labels=make_labels(3, S), shift_labels=shift)
+
+
+def test_loss_with_bias_and_softcap():
+    torch.manual_seed(23)
+    check_loss(nn.Linear(D, V, bias=True), 7)
+    check_loss(nn.Linear(D, V, bias=False), 7, softcap=2.0)
+    check_loss(nn.Linear(D, V, bias=True), 5, softcap=2.0, num_items_in_batch=9)
+
+
+def test_loss_all_ignored_is_nan_like_upstream(loss_path):
+    torch.manual_seed(24)
+    head = nn.Linear(D, V, bias=False)
+    hidden = torch.randn(2, S, D, requires_grad=True)
+    labels = torch.full((2, S), -100)
+    ref = reference_loss(hidden, head, labels)
+    ref_grads = torch.autograd.grad(ref, [hidden, head.weight])
+    got = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=7, vocab_size=V)
+    got_grads = torch.autograd.grad(got, [hidden, head.weight])
+    assert torch.isnan(ref) and torch.isnan(got)
+    for a, b in zip(got_grads, ref_grads):
+        assert torch.equal(a, b)  # upstream: zero gradients
+    # with num_items_in_batch upstream gives 0 (sum of nothing / n)
+    ref = reference_loss(hidden, head, labels, num_items_in_batch=5)
+    got = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=7, vocab_size=V, num_items_in_batch=5)
+    assert ref.item() == got.item() == 0.0
+
+
+def test_loss_tied_embeddings(loss_path):
+    # lm_head.weight is embed_tokens.weight: both uses must add up in the one gradient.
+    torch.manual_seed(25)
+    embed = nn.Embedding(V, D)
+    head = nn.Linear(D, V, bias=False)
+    head.weight = embed.weight
+    ids = torch.randint(0, V, (3, S))
+    proj = nn.Linear(D, D)
+    check_loss(head, 7, make_hidden=lambda: torch.tanh(proj(embed(ids))), inputs_extra=list(proj.parameters()))
+
+
+def test_loss_no_grad_and_frozen(loss_path):
+    torch.manual_seed(26)
+    head = nn.Linear(D, V, bias=False)
+    hidden = torch.randn(3, S, D)
+    labels = make_labels(3, S)
+    with torch.no_grad():
+        ref = reference_loss(hidden, head, labels)
+        got = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=7, vocab_size=V)
+    assert_rel_close(got, ref, 1e-5, "no_grad")
+    head.requires_grad_(False)
+    check_loss(head, 7)  # gradient only for the hidden states
+
+
+def test_loss_bf16_within_bf16_tolerance():
+    torch.manual_seed(27)
+    head = nn.Linear(D, V, bias=False).bfloat16()
+    hidden = torch.randn(3, S, D, dtype=torch.bfloat16, requires_grad=True)
+    labels = make_labels(3, S)
+    ref = reference_loss(hidden, head, labels)
+    ref_grads = torch.autograd.grad(ref, [hidden, head.weight])
+    got = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=7, vocab_size=V)
+    got_grads = torch.autograd.grad(got, [hidden, head.weight])
+    assert got.dtype == torch.float32
+    assert_rel_close(got, ref, 1e-5, "bf16 loss")  # fp32 sum of the same bf16 logits
+    for a, b in zip(got_grads, ref_grads):
+        assert a.dtype == torch.bfloat16
+        assert_rel_close(a, b, 2e-2, "bf16 grad")
+
+
+def test_loss_lora_head():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(28)
+    model = nn.Module()
+    model.lm_head = nn.Linear(D, V, bias=False)
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["lm_head"]), model)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)
+    check_loss(model.lm_head, 7)
+
+
+def test_loss_vocab_mismatch_raises():
+    head = nn.Linear(D, V + 1, bias=True)
+    with pytest.raises(ValueError):
+        mini_sequence_causal_lm_loss(
+            torch.randn(1, S, D, requires_grad=True), head, make_labels(1, S), chunk_size=7, vocab_size=V
+        )
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_live_tensor_tracker_known_sizes():
+    before = torch.randn(1000)  # baseline: not counted
+    with LiveTensorTracker() as tracker:
+        a = torch.empty(1000)  # 4000 B
+        b = torch.empty(500)  # 2000 B -> 6000
+        view = a.view(10, 100)  # no new storage
+        a.add_(1)  # in place: no new storage
+        before.mul_(2)  # in place on a baseline storage: not counted
+        del a, view  # frees 4000 -> 2000
+        assert tracker.current_bytes == 2000
+        c = torch.empty(250)  # 1000 -> 3000
+    assert tracker.peak_bytes == 6000
+    assert tracker.current_bytes == 3000
+    assert tracker.largest_numel == 1000
+    assert tracker.largest_shapes[0][:2] == (1000, (1000,))
+    del b, c
+    # and it can fail: a bigger allocation is seen
+    with LiveTensorTracker() as tracker:
+        big = torch.zeros(10_000)
+        del big
+    assert tracker.peak_bytes == 40_000 and tracker.current_bytes == 0
+
+
+def test_mlp_memory_no_full_intermediate():
+    torch.manual_seed(30)
+    seq, inter, chunk = 256, 256, 16
+    mlp = LlamaMLP(LlamaConfig(hidden_size=D, intermediate_size=inter))
+    x = torch.randn(1, seq, D, requires_grad=True)
+    g = torch.randn(1, seq, D)
+
+    def peak(fn):
+        with LiveTensorTracker() as tracker:
+            out = fn(x)
+            grads = torch.autograd.grad(out, [x, *mlp.parameters()], g)
+            del out, grads
+        return tracker
+
+    full = peak(mlp)
+    ms = peak(lambda h: mini_sequence_mlp(mlp, h, chunk))
+    assert full.largest_numel >= seq * inter  # the tracker does see the [S, I] tensors unsplit
+    assert ms.largest_numel < seq * inter, ms.largest_shapes
+    assert ms.peak_bytes < 0.5 * full.peak_bytes, (ms.peak_bytes, full.peak_bytes)
+
+
+def test_loss_memory_no_full_logits(loss_path):
+    torch.manual_seed(31)
+    n_tokens, vocab, chunk = 256, 512, 16
+    head = nn.Linear(D, vocab, bias=False)
+    hidden = torch.randn(1, n_tokens, D, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, n_tokens))
+
+    def peak(fn):
+        with LiveTensorTracker() as tracker:
+            loss = fn()
+            grads = torch.autograd.grad(loss, [hidden, head.weight])
+            del loss, grads
+        return tracker
+
+    full = peak(lambda: ForCausalLMLoss(head(hidden), labels, vocab))
+    ms = peak(
+        lambda: mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=chunk, vocab_size=vocab)
+    )
+    assert full.largest_numel >= n_tokens * vocab
+    assert ms.largest_numel < n_tokens * vocab, ms.largest_shapes
+    assert ms.peak_bytes < 0.5 * full.peak_bytes, (ms.peak_bytes, full.peak_bytes)
