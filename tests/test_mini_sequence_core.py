@@ -21,6 +21,7 @@ from transformers.mini_sequence import (
     mlp_chunk_size,
     validate_mini_sequence_chunk,
 )
+from transformers.mini_sequence.config import AUTO_MIN_LM_HEAD_TOKENS
 from transformers.mini_sequence import loss as ms_loss
 from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -74,10 +75,12 @@ def test_validate_accepts(value):
 def test_chunk_size_policy():
     assert mlp_chunk_size("auto", 4096) == 4096
     assert mlp_chunk_size(100, 4096) == 100
-    # Llama-3-8B: V=128256, d=4096 -> M = 32 mini-sequences
-    assert lm_head_chunk_size("auto", 4096, 128256, 8192) == 256
-    assert lm_head_chunk_size("auto", 4096, 128256, 8193) == 257
-    assert lm_head_chunk_size("auto", 64, 100, 7) == 4  # M = 2
+    # Llama-3-8B: V=128256, d=4096 -> M = 32 mini-sequences, once chunks exceed the floor
+    assert lm_head_chunk_size("auto", 4096, 128256, 65536) == 2048
+    assert lm_head_chunk_size("auto", 4096, 128256, 65537) == 2049
+    # shorter: chunks of AUTO_MIN_LM_HEAD_TOKENS (a chunk larger than N is one chunk)
+    assert lm_head_chunk_size("auto", 4096, 128256, 8192) == AUTO_MIN_LM_HEAD_TOKENS == 1024
+    assert lm_head_chunk_size("auto", 64, 100, 7) == 1024
     assert lm_head_chunk_size(33, 4096, 128256, 8192) == 33
 
 
@@ -85,12 +88,7 @@ def test_config_module_does_not_import_torch():
     import subprocess
     import sys
 
-    code = (
-        "import sys, importlib.util; sys.modules['torch'] = None\n"
-        "import transformers.mini_sequence as m\n"
-        "assert m.validate_mini_sequence_chunk('auto') == 'auto'\n"
-    )
-    # transformers itself may import torch lazily; load our package file-by-file instead.
+    # Load config.py on its own with torch made unimportable.
     path = __import__("transformers.mini_sequence.config", fromlist=["x"]).__file__
     code = (
         "import sys, importlib.util; sys.modules['torch'] = None\n"
@@ -166,13 +164,14 @@ def test_mlp_no_grad_path():
     assert out.grad_fn is None
 
 
-def test_mlp_param_hooks_fire_once():
-    # Gradients come out of the Function once per parameter (DDP/FSDP hooks rely on it).
+def test_mlp_param_accumulate_hooks_fire_once():
+    # Gradients come out of the Function once per parameter: .grad is accumulated once, so
+    # post-accumulate hooks (DDP / FSDP2 / DeepSpeed style) fire once per backward.
     torch.manual_seed(6)
     mlp = llama_mlp()
     calls = {}
     for name, p in mlp.named_parameters():
-        p.register_hook(lambda g, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
+        p.register_post_accumulate_grad_hook(lambda p, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
     x = torch.randn(1, S, D, requires_grad=True)
     mini_sequence_mlp(mlp, x, 7).sum().backward()
     assert calls == {n: 1 for n, _ in mlp.named_parameters()}
@@ -207,8 +206,13 @@ def test_mlp_autocast_recompute_uses_forward_autocast_state():
     g = torch.randn_like(ref)
     # backward deliberately outside autocast: the recomputation must re-enter it
     ref_grads = grads_of(ref, g, [x, *mlp.parameters()])
+    seen = []
+    mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     got = grads_of(out, g, [x, *mlp.parameters()])
-    for a, b in zip([out, *got], [ref, *ref_grads]):
+    assert seen and set(seen) == {torch.bfloat16}  # the recomputation ran under autocast
+    # Per-token x gradient does not depend on chunking: same bf16 ops -> same numbers.
+    assert_rel_close(got[0], ref_grads[0], 1e-6, "autocast x grad")
+    for a, b in zip([out, *got[1:]], [ref, *ref_grads[1:]]):
         assert_rel_close(a, b, 2e-2, "autocast")
 
 
@@ -313,6 +317,8 @@ def check_loss(head, chunk, batch=3, seq=S, softcap=None, rtol=1e-5, inputs_extr
     inputs = leaves + [p for p in head.parameters() if p.requires_grad] + list(inputs_extra)
     ref = reference_loss(hidden, head, labels, softcap=softcap, **kw)
     ref_grads = torch.autograd.grad(ref, inputs)
+    if make_hidden:  # a fresh graph for the second computation
+        hidden = make_hidden()
     got_loss = mini_sequence_causal_lm_loss(
         hidden, head, labels, chunk_size=chunk, vocab_size=V, final_logit_softcapping=softcap, **kw
     )
@@ -418,6 +424,35 @@ def test_loss_lora_head():
         if "lora_B" in name:
             nn.init.normal_(p, std=0.1)
     check_loss(model.lm_head, 7)
+
+
+def test_loss_autocast():
+    torch.manual_seed(29)
+    head = nn.Linear(D, V, bias=False)
+    hidden = torch.randn(3, S, D, requires_grad=True)
+    labels = make_labels(3, S)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = reference_loss(hidden, head, labels)
+        got = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=7, vocab_size=V)
+    ref_grads = torch.autograd.grad(ref, [hidden, head.weight])
+    got_grads = torch.autograd.grad(got, [hidden, head.weight])
+    assert_rel_close(got, ref, 1e-5, "autocast loss")  # same bf16 logits, fp32 loss
+    for a, b in zip(got_grads, ref_grads):
+        assert_rel_close(a, b, 2e-2, "autocast grad")
+
+
+def test_linear_cross_entropy_dispatch():
+    can = ms_loss._can_use_linear_cross_entropy
+    h = torch.randn(4, D)
+    assert can(nn.Linear(D, V, bias=False), h, None, V)
+    assert not can(nn.Linear(D, V, bias=True), h, None, V)
+    assert not can(nn.Linear(D, V, bias=False), h, 30.0, V)
+    assert not can(nn.Linear(D, V, bias=False).bfloat16(), h.bfloat16(), None, V)
+    hooked = nn.Linear(D, V, bias=False)
+    hooked.register_forward_hook(lambda *a: None)
+    assert not can(hooked, h, None, V)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not can(nn.Linear(D, V, bias=False), h, None, V)
 
 
 def test_loss_vocab_mismatch_raises():

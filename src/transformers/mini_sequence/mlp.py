@@ -10,7 +10,7 @@ backward, rebuilds one chunk's intermediates at a time (recomputation, as in Alg
 
 import torch
 
-from ._autocast import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
+from ._state import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 
 
 def gated_mlp_forward(mlp, x):
