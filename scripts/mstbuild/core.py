@@ -168,7 +168,9 @@ class PatchResult:
                  "fuzz": "applied with fuzz", "rejected": "REJECTED"}
         text = f"{self.patch}: {words[self.status]}"
         if self.status != "applied":
-            details = [ln for ln in self.output.splitlines() if ln.startswith("Hunk") or "FAILED" in ln]
+            # patch's own report, file by file, without its "saving rejects to <tmp file>" noise
+            details = [ln.split(" -- saving rejects")[0] for ln in self.output.splitlines()
+                       if ln.startswith(("patching file", "Hunk")) or "FAILED" in ln]
             text += "".join(f"\n    {ln}" for ln in details)
         if self.rejects:
             text += "\n    rejected hunk(s):\n" + "".join(f"      {ln}\n" for ln in self.rejects.splitlines())
