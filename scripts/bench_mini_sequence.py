@@ -31,11 +31,14 @@ BASE = dict(hidden_size=256, intermediate_size=1024, vocab_size=32000, num_hidde
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=65536)
 
 
-def build(family, chunk):
+def build(family, chunk, checkpointing=False):
     config_name, model_name, extra = FAMILIES[family]
     config = getattr(transformers, config_name)(**BASE, **extra, mini_sequence_chunk=chunk)
     torch.manual_seed(0)
-    return getattr(transformers, model_name)(config).train()
+    model = getattr(transformers, model_name)(config).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
 
 
 def step(model, ids):
@@ -49,15 +52,15 @@ def tokens(seq):
     return torch.randint(0, BASE["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
 
 
-def measure_peak(family, chunk, seq):
-    model, ids = build(family, chunk), tokens(seq)
+def measure_peak(family, chunk, seq, checkpointing):
+    model, ids = build(family, chunk, checkpointing), tokens(seq)
     with LiveTensorTracker() as tracker:
         loss = step(model, ids)
     return tracker.peak_bytes, loss.item()
 
 
-def measure_times(family, chunk, seq, repeats):
-    models = {c: build(family, c) for c in (None, chunk)}
+def measure_times(family, chunk, seq, repeats, checkpointing):
+    models = {c: build(family, c, checkpointing) for c in (None, chunk)}
     ids = tokens(seq)
     times = {c: [] for c in models}
     for c in models:
@@ -75,7 +78,8 @@ def main(argv=None):
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--chunk", default="auto", help='mini_sequence_chunk to compare with None (default "auto")')
     parser.add_argument("--mem-seq", type=int, default=4096)
-    parser.add_argument("--time-seq", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--time-seq", type=int, nargs="*", default=[512, 4096], help="none: memory only")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on, flag off and on")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args(argv)
@@ -83,19 +87,20 @@ def main(argv=None):
 
     lines = [
         f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"config d=256 I=1024 V=32000 2 layers, batch 1, mini_sequence_chunk={chunk!r}",
+        f"config d=256 I=1024 V=32000 2 layers, batch 1, mini_sequence_chunk={chunk!r}, "
+        f"gradient checkpointing {'on' if args.checkpointing else 'off'}",
         "",
-        f"| family | peak off (MiB) | peak on (MiB) | on/off | loss off | loss on | "
-        + " | ".join(f"time off / on @S={s} (s) | ratio" for s in args.time_seq) + " |",
+        "| family | peak off (MiB) | peak on (MiB) | on/off | loss off | loss on |"
+        + "".join(f" time off / on @S={s} (s) | ratio |" for s in args.time_seq),
         "|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(args.time_seq),
     ]
     for family in args.families:
-        peak_off, loss_off = measure_peak(family, None, args.mem_seq)
-        peak_on, loss_on = measure_peak(family, chunk, args.mem_seq)
+        peak_off, loss_off = measure_peak(family, None, args.mem_seq, args.checkpointing)
+        peak_on, loss_on = measure_peak(family, chunk, args.mem_seq, args.checkpointing)
         row = (f"| {family} | {peak_off / 2**20:.1f} | {peak_on / 2**20:.1f} | {peak_on / peak_off:.3f} "
                f"| {loss_off:.6f} | {loss_on:.6f} |")
         for seq in args.time_seq:
-            t_off, t_on = measure_times(family, chunk, seq, args.repeats)
+            t_off, t_on = measure_times(family, chunk, seq, args.repeats, args.checkpointing)
             row += f" {t_off:.3f} / {t_on:.3f} | {t_on / t_off:.3f} |"
         lines.append(row)
         print(row, file=sys.stderr, flush=True)
