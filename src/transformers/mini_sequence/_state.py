@@ -1,6 +1,6 @@
 """Small helpers shared by the mini-sequence autograd functions: autocast and RNG state
 capture, so that a recomputation in backward sees exactly what the forward saw (the same
-idea as torch.utils.checkpoint)."""
+idea as torch.utils.checkpoint), and the per-chunk accumulation of parameter gradients."""
 
 import contextlib
 
@@ -45,3 +45,18 @@ def restore_rng_state(states, device: torch.device):
         if device_state is not None:
             torch.cuda.set_rng_state(device_state, device)
         yield
+
+
+def accumulate_grads(acc: list, grads) -> None:
+    """Add one chunk's parameter gradients into ``acc`` (None entries start the sum).
+
+    Half-precision gradients are summed in fp32 and rounded once by the caller, like the unsplit
+    matmul, which also accumulates in fp32 and rounds once (measurement in mlp.py).
+    """
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        if acc[i] is None:
+            acc[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+        else:
+            acc[i].add_(g)

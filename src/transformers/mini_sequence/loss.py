@@ -36,6 +36,8 @@ calls the module itself.
 import torch
 import torch.nn.functional as F
 
+from ._state import accumulate_grads
+
 
 def _apply_softcap(logits: torch.Tensor, cap):
     # Gemma-2 order and dtype (modeling_gemma2.py): in the logits' own dtype, before the
@@ -53,10 +55,6 @@ def _chunk_loss_sum(lm_head, hidden_chunk, labels_chunk, softcap, ignore_index, 
         raise ValueError(f"lm_head produced {logits.shape[-1]} logits per token, expected vocab_size={vocab_size}")
     # fp32 upcast as upstream ForCausalLMLoss; only one chunk's [C, V] logits exist.
     return F.cross_entropy(logits.float(), labels_chunk, ignore_index=ignore_index, reduction="sum")
-
-
-def _half_precision(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float16, torch.bfloat16)
 
 
 class _MiniSequenceLMLossFunction(torch.autograd.Function):
@@ -89,13 +87,7 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
             if needs_hidden:
                 grad_hidden[start:end].copy_(grads[0])
                 grads = grads[1:]
-            for i, g in enumerate(grads):
-                if g is None:
-                    continue
-                if acc[i] is None:
-                    acc[i] = g.float() if _half_precision(g) else g
-                else:
-                    acc[i].add_(g)
+            accumulate_grads(acc, grads)
 
         ctx.grad_hidden = grad_hidden
         ctx.param_grads = acc

@@ -10,7 +10,13 @@ backward, rebuilds one chunk's intermediates at a time (recomputation, as in Alg
 
 import torch
 
-from ._state import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
+from ._state import (
+    accumulate_grads,
+    capture_autocast_state,
+    capture_rng_state,
+    restore_autocast_state,
+    restore_rng_state,
+)
 
 
 def gated_mlp_forward(mlp, x):
@@ -22,10 +28,6 @@ def gated_mlp_forward(mlp, x):
 
 def _chunk_bounds(seq_len: int, chunk_size: int):
     return [(start, min(start + chunk_size, seq_len)) for start in range(0, seq_len, chunk_size)]
-
-
-def _half_precision(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float16, torch.bfloat16)
 
 
 def _forward_chunks(forward_fn, mlp, x, chunk_size):
@@ -96,13 +98,7 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
                 if needs_x:
                     grad_x[..., start:end, :].copy_(grads[0])
                     grads = grads[1:]
-                for i, g in enumerate(grads):
-                    if g is None:
-                        continue
-                    if acc[i] is None:
-                        acc[i] = g.float() if _half_precision(g) else g
-                    else:
-                        acc[i].add_(g)
+                accumulate_grads(acc, grads)
 
         param_grads = iter(
             None if a is None else a.to(p.dtype) for a, p in zip(acc, wanted_params)
