@@ -114,10 +114,11 @@ def test_workspace_roundtrip_and_new_patch(repo, wheel_env):
 
     from mstbuild.series import git
 
-    git(patched, "commit", "-qam", "0002-test-edit")
+    series_before = [p.name for p in core.read_series(repo / "patches")]
+    git(patched, "commit", "-qam", "0099-test-edit")
     assert mst(repo, "patches", env=wheel_env).returncode == 0
-    assert (repo / "patches" / "series").read_text().splitlines()[-2:] == ["0001-version-string.patch", "0002-test-edit.patch"]
-    assert "+# edited" in (repo / "patches" / "0002-test-edit.patch").read_text()
+    assert [p.name for p in core.read_series(repo / "patches")] == series_before + ["0099-test-edit.patch"]
+    assert "+# edited" in (repo / "patches" / "0099-test-edit.patch").read_text()
     # The new series builds.
     result, wheels = pip_wheel(repo, wheel_env)
     assert result.returncode == 0, result.stderr
