@@ -11,7 +11,7 @@ WHEEL_DIR := dist
 help:
 	@echo "make test        bootstrap .venv, build + install the distribution, run the test suite"
 	@echo "make demo        bootstrap, build + install, run the demo (a short training run)"
-	@echo "make bench       bootstrap, build + install, run the benchmark"
+	@echo "make bench       bootstrap, build + install, run the benchmarks (SWEEPS=\"methods blocks families\")"
 	@echo "make wheel       build dist/transformers-<version>+mst.N-py3-none-any.whl"
 	@echo "make workspace   work/pristine (upstream) + work/patched (git stack of our patches); FORCE=1 discards work/"
 	@echo "make patches     regenerate patches/*.patch and patches/series from work/patched"
@@ -41,8 +41,9 @@ test: install
 demo: install
 	$(PY) scripts/demo.py $(ARGS)
 
+# SWEEPS: any of methods blocks families (scripts/bench.py --help); results go to docs/bench/.
 bench: install
-	$(PY) scripts/bench_mini_sequence.py $(ARGS)
+	for sweep in $(or $(SWEEPS),methods blocks families); do $(PY) scripts/bench.py $$sweep $(ARGS) || exit 1; done
 
 workspace: venv
 	$(MST) workspace $(if $(FORCE),--force)
