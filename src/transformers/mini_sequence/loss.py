@@ -106,8 +106,10 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
         if grad_hidden is not None:
             # In place: the stored [N, d] buffer becomes the returned gradient (no second copy).
             grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+        # In place too: for a bf16 Llama-3-8B head, `(g * grad_total)` would add a second fp32
+        # [V, d] buffer (2 GiB) next to the accumulator at the start of backward.
         scaled = iter(
-            None if g is None else (g * grad_total).to(dtype)
+            None if g is None else g.mul_(grad_total.to(g.dtype)).to(dtype)
             for g, dtype in zip(ctx.param_grads, ctx.param_dtypes)
         )
         param_grads = [next(scaled) if need else None for need in ctx.needs_param]
