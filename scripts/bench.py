@@ -31,6 +31,7 @@ from tqdm import tqdm
 import transformers
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.mini_sequence import LiveTensorTracker, mini_sequence_causal_lm_loss, mini_sequence_mlp
+from transformers.mini_sequence.memory import resident_training_bytes
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -79,13 +80,6 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def resident_bytes(model, optimizer):
-    """Weights and optimizer states: what exists before a step starts."""
-    tensors = list(model.parameters())
-    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class Trainee:
     """A model, its AdamW and a batch: `step()` runs one full training step."""
 
@@ -115,7 +109,7 @@ class Trainee:
             torch.cuda.reset_peak_memory_stats(self.device)
             loss = self.step()
             return torch.cuda.max_memory_allocated(self.device), loss
-        resident = resident_bytes(self.model, self.optimizer)
+        resident = resident_training_bytes(self.model, self.optimizer)
         with LiveTensorTracker() as tracker:
             loss = self.step()
         return resident + tracker.peak_bytes, loss

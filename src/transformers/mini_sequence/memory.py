@@ -81,3 +81,15 @@ class LiveTensorTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in known_inputs:
                 self._track(t, str(func))
         return out
+
+
+def resident_training_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of the weights and optimizer states: what is alive before a training step starts.
+
+    Add it to a ``LiveTensorTracker`` peak of the step to get the quantity a GPU allocator's
+    ``max_memory_allocated`` reports (weights + optimizer states + what the step allocates).
+    """
+    tensors = list(model.parameters())
+    if optimizer is not None:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
