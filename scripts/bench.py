@@ -32,6 +32,7 @@ import transformers
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.mini_sequence import LiveTensorTracker, mini_sequence_causal_lm_loss, mini_sequence_mlp
 from transformers.mini_sequence.memory import resident_training_bytes
+from transformers.mini_sequence.plan import METHODS  # name -> (mini_sequence_chunk, gradient checkpointing)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -44,12 +45,6 @@ FAMILIES = {
 # Llama-style small config (issue 3/4): big vocabulary and MLP relative to d, as in real models.
 BASE = dict(hidden_size=256, intermediate_size=1024, vocab_size=32000, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1 << 17)
-METHODS = {  # name -> (mini_sequence_chunk, gradient checkpointing)
-    "vanilla": (None, False),
-    "checkpointing": (None, True),
-    "mini_sequence": ("auto", False),
-    "mini_sequence+checkpointing": ("auto", True),
-}
 MIB = 2**20
 
 
