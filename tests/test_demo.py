@@ -1,28 +1,68 @@
 """scripts/demo.py end to end on tiny settings, and its argument checks."""
 
-from conftest import REPO, run_py
+import re
+import time
+
+import pytest
+
+from conftest import REPO
+from conftest import run_py as _run_py
 
 DEMO = str(REPO / "scripts" / "demo.py")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_py(args):
+    # One intra-op thread: these steps are tiny, and on a shared 2-core machine OpenMP threads
+    # waiting on each other make them many times slower.
+    return _run_py(args, env_extra={"OMP_NUM_THREADS": "1"})
+
+
+def step_losses(stdout):
+    """(loss off, loss on) per line of the per-step table."""
+    rows = [ln.split() for ln in stdout.splitlines() if re.match(r"^\s*\d+\s+\d", ln)]
+    return [(float(row[1]), float(row[2])) for row in rows]
 
 
 def test_demo_runs_and_losses_agree(tmp_path):
-    plot = tmp_path / "demo.png"
-    result = run_py([DEMO, "--seq-len", "128", "--steps", "2", "--vocab-size", "300", "--max-chars", "100000",
-                     "--chunk", "16", "--cache-dir", str(tmp_path), "--plot", str(plot), "--device", "cpu"])
+    plot = tmp_path / "out" / "demo.png"
+    cache = tmp_path / "cache"
+    args = [DEMO, "--seq-len", "256", "--steps", "2", "--vocab-size", "300", "--max-chars", "100000",
+            "--chunk", "64", "--cache-dir", str(cache), "--plot", str(plot), "--device", "cpu"]
+    result = run_py(args)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    assert "peak ratio chunk=16/off" in result.stdout
-    lines = [ln.split() for ln in result.stdout.splitlines() if ln.strip()[:1].isdigit()]
-    assert len(lines) == 2 and all(float(off) == float(on) or abs(float(off) - float(on)) < 1e-4 * float(off)
-                                   for _, off, on, _ in lines)
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert list(tmp_path.glob("bpe-v300-*.json"))  # the tokenizer is cached
+    losses = step_losses(result.stdout)
+    assert len(losses) == 2
+    assert all(abs(off - on) <= 1e-4 * abs(off) for off, on in losses), losses
+    assert "OK" in result.stdout and "peak ratio chunk=64/off" in result.stdout
+    assert "training a 300-token" in result.stdout
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    assert len(list(cache.glob("bpe-v300-*.json"))) == 1  # the tokenizer is cached ...
+
+    # Second run, same text: the cached tokenizer is reused; 100K characters are too few tokens -> exit 2.
+    short = run_py([*args[:2], "100000", *args[3:]])
+    assert short.returncode == 2, short.stdout + short.stderr[-2000:]
+    assert "tokenizer: cached" in short.stdout and "raise --max-chars" in short.stderr
 
 
-def test_demo_bad_arguments_exit_2(tmp_path):
-    for bad in (["--seq-len", "1"], ["--chunk", "0"], ["--chunk", "x"], ["--model", str(tmp_path / "missing")]):
-        result = run_py([DEMO, *bad, "--cache-dir", str(tmp_path)])
-        assert result.returncode == 2, (bad, result.stderr)
-        assert "error:" in result.stderr
+def test_demo_bad_arguments_exit_2(tmp_path, capsys):
+    import demo  # scripts/ is on sys.path (conftest)
+
+    bad_args = (["--seq-len", "1"], ["--steps", "0"], ["--chunk", "0"], ["--chunk", "-3"], ["--chunk", "x"],
+                ["--chunk", "2.5"], ["--chunk", "True"], ["--hidden-size", "100"], ["--model", str(tmp_path / "missing")])
+    for bad in bad_args:
+        with pytest.raises(SystemExit) as exc:
+            demo.parse_args([*bad, "--cache-dir", str(tmp_path)])
+        assert exc.value.code == 2, bad
+        assert "error:" in capsys.readouterr().err
+    # End to end: the process exits 2 with a message naming the option, before loading torch or data.
+    start = time.perf_counter()
+    result = run_py([DEMO, "--model", str(tmp_path / "missing"), "--cache-dir", str(tmp_path / "c"),
+                     "--plot", str(tmp_path / "p.png")])
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "error: --model" in result.stderr and "does not exist" in result.stderr
+    assert time.perf_counter() - start < 20
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_demo_trains_a_local_checkpoint(tmp_path):
@@ -43,3 +83,5 @@ def test_demo_trains_a_local_checkpoint(tmp_path):
                      "--max-chars", "20000", "--plot", str(tmp_path / "p.png"), "--device", "cpu"])
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert "LlamaForCausalLM" in result.stdout and "peak ratio chunk=7/off" in result.stdout
+    assert len(step_losses(result.stdout)) == 2
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
