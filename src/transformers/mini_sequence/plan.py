@@ -16,11 +16,18 @@ Assumptions (printed with every result):
 - `--optimizer-in-backward`: each gradient is applied and freed as soon as it is accumulated
   (paper App. D), so gradients never all live at once;
 - attention is FlashAttention-style: only its output and a [B, H, S] fp32 log-sum-exp are kept
-  for backward, no [S, S] tensor (upstream's own attention is replaced during planning, for
-  every family; Gemma-2's softcapped attention is assumed to have such a kernel too);
-- "mini_sequence" is `mini_sequence_chunk="auto"`; gradient checkpointing is upstream's.
+  for backward, no [S, S] tensor, no K/V expanded to all heads (upstream's own attention is
+  replaced during planning by a stand-in that allocates just that, for every family; Gemma-2's
+  softcapped attention is assumed to have such a kernel too). Checked on fake CPU: torch's SDPA
+  itself takes its flash CPU kernel (no [S, S] scores) and its step peak equals the stand-in's,
+  but HF's mask code, given fake tensors under gradient checkpointing, builds an [S, S] bool mask
+  that a real run does not; the stand-in avoids that artefact;
+- "mini_sequence" is `mini_sequence_chunk="auto"`; gradient checkpointing is upstream's
+  `activation_checkpointing_enable()` (5.x name of `gradient_checkpointing_enable`; non-reentrant).
 Left out: the CUDA context and library workspaces (cuBLAS, NCCL: typically 0.5-2 GiB),
-allocator fragmentation and caching, kernels' scratch memory, and other processes. Keep a margin.
+allocator fragmentation and caching, kernels' scratch memory (e.g. FlashAttention-2's backward
+allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all heads: up to about
+4x the bytes of one layer's query), and other processes. Keep a margin.
 """
 
 import argparse
@@ -120,6 +127,7 @@ class Planner:
         if optimizer not in OPTIMIZER_STATE_BYTES:
             raise PlanError(f"--optimizer {optimizer!r}: allowed {', '.join(OPTIMIZER_STATE_BYTES)}")
         self.config = config
+        self._peaks = {}  # (method, seq_len) -> peak bytes, resident included
         self.optimizer = optimizer
         self.optimizer_in_backward = optimizer_in_backward
         with FakeTensorMode():
@@ -128,17 +136,14 @@ class Planner:
         self.resident_bytes = self.num_params * (2 + OPTIMIZER_STATE_BYTES[optimizer])
 
     def _build(self, chunk, checkpointing):
-        config = self.config.__class__(**{**self.config.to_dict(), "mini_sequence_chunk": chunk})
+        # use_cache=False: training keeps no KV cache (checkpointing would turn it off with a warning).
+        config = self.config.__class__(**{**self.config.to_dict(), "mini_sequence_chunk": chunk, "use_cache": False})
         config._attn_implementation = ATTENTION
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        finally:
-            torch.set_default_dtype(default)
+        # bf16 whatever dtype the config.json names (from_config would otherwise follow config.dtype).
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.train()
-        if checkpointing:
-            model.gradient_checkpointing_enable()
+        if checkpointing:  # 5.x name of gradient_checkpointing_enable(); non-reentrant by default
+            model.activation_checkpointing_enable()
         if self.optimizer_in_backward:
             for p in model.parameters():  # applied, then freed, as soon as it is accumulated
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
@@ -156,34 +161,64 @@ class Planner:
         return tracker.peak_bytes
 
     def peak_bytes(self, method, seq_len):
-        return self.resident_bytes + self.step_peak_bytes(method, seq_len)
+        """Resident bytes + the step's peak at `seq_len` (memoized: each new value is a fake step)."""
+        key = (method, seq_len)
+        if key not in self._peaks:
+            self._peaks[key] = self.resident_bytes + self.step_peak_bytes(method, seq_len)
+        return self._peaks[key]
 
     def max_seq_len(self, method, budget_bytes, granularity=1024, limit=1 << 22):
-        """Largest multiple of `granularity` whose peak fits; 0 if not even one fits."""
-        fits = lambda s: self.peak_bytes(method, s) <= budget_bytes  # noqa: E731
-        if not fits(granularity):
-            return 0
-        # Peak grows about linearly with S (no S x S tensor): extrapolate from two points, then
-        # bracket that guess and bisect with real (fake-tensor) measurements.
-        lo_s, hi_s = granularity, 4 * granularity
-        lo_p, hi_p = self.peak_bytes(method, lo_s), self.peak_bytes(method, hi_s)
-        slope = max((hi_p - lo_p) / (hi_s - lo_s), 1.0)
-        guess = int(lo_s + (budget_bytes - lo_p) / slope) // granularity * granularity
-        lo, hi = granularity, min(max(guess, granularity), limit)
-        while fits(hi) and hi < limit:
-            lo, hi = hi, min(hi + max(hi // 8 // granularity, 1) * granularity, limit)
-        if fits(hi):
-            return hi
-        while hi - lo > granularity:
-            mid = (lo + hi) // 2 // granularity * granularity
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        """Largest multiple of `granularity` (<= `limit`) whose peak fits; 0 if not even one fits."""
+        return search_max_fitting(lambda s: self.peak_bytes(method, s), budget_bytes, granularity, limit)
+
+
+def search_max_fitting(peak, budget, granularity, limit):
+    """Largest multiple S of `granularity`, S <= `limit`, with peak(S) <= budget (peak increasing in S).
+
+    The peak is piecewise linear in S (no S x S tensor; the LM-head chunk policy adds a kink), so a
+    secant search finds the boundary in a few calls: extrapolate through the last two measured
+    points until one does not fit, then interpolate between the ends of the bracket
+    [fits, does not fit], with a bisection step whenever an interpolation did not halve it.
+    The answer rests only on measured values of peak, never on an extrapolated one.
+    """
+    g = granularity
+    limit = max(limit // g * g, g)
+    if peak(g) > budget:
+        return 0
+    lo, hi = g, None  # lo fits; hi does not (None until one is found)
+    prev, s = g, min(4 * g, limit)
+    bisect_next, width = False, None
+    while True:
+        if peak(s) <= budget:
+            lo = max(lo, s)
+        else:
+            hi = s if hi is None else min(hi, s)
+        if lo == limit or (hi is not None and hi - lo <= g):
+            return lo
+        if hi is None:  # no upper end yet: extrapolate through the two latest points
+            a, b = prev, s
+        else:  # interpolate between the bracket's ends
+            a, b = lo, hi
+            # bisect if the previous interpolation did not at least halve the bracket
+            bisect_next = width is not None and not bisect_next and (hi - lo) > width // 2
+            width = hi - lo
+        slope = (peak(b) - peak(a)) / (b - a)
+        if hi is not None and (bisect_next or slope <= 0):
+            guess = (lo + hi) // 2 // g * g
+        elif slope <= 0:  # flat so far: grow
+            guess = 2 * lo
+        else:
+            guess = int(a + (budget - peak(a)) / slope) // g * g
+        upper = limit if hi is None else hi - g
+        prev, s = s, min(max(guess, lo + g), upper)
 
 
 def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024):
     config = load_config(model)
     if gpu_memory_gib <= 0:
         raise PlanError(f"--gpu-memory-gib must be positive, got {gpu_memory_gib}")
+    if granularity <= 0:
+        raise PlanError(f"--granularity must be a positive number of tokens, got {granularity}")
     planner = Planner(config, optimizer, optimizer_in_backward)
     budget = int(gpu_memory_gib * GIB)
     gradients = 0 if optimizer_in_backward else 2 * planner.num_params
@@ -195,11 +230,19 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
         )
     result = {"model": model, "parameters": planner.num_params, "gpu_memory_gib": gpu_memory_gib,
               "optimizer": optimizer, "optimizer_in_backward": optimizer_in_backward,
-              "resident_gib": round(planner.resident_bytes / GIB, 2), "max_seq_len": {}, "peak_gib_at_max": {}}
+              "resident_gib": round(planner.resident_bytes / GIB, 2), "granularity": granularity,
+              "measured_on": "FakeTensorMode on the CPU device, standing in for the GPU (a fake cuda device "
+                             "crashes the CPU build of torch)",
+              "max_seq_len": {}, "peak_gib_at_max": {}}
     for method in METHODS:
         seq = planner.max_seq_len(method, budget, granularity)
         result["max_seq_len"][method] = seq
         result["peak_gib_at_max"][method] = round(planner.peak_bytes(method, seq) / GIB, 2) if seq else None
+    if not any(result["max_seq_len"].values()):
+        raise PlanError(
+            f"{gpu_memory_gib} GiB holds the weights, gradients and optimizer states of {model} "
+            f"({(planner.resident_bytes + gradients) / GIB:.1f} GiB) but no method fits even {granularity} tokens"
+        )
     result["assumptions"] = __doc__.split("Assumptions (printed with every result):\n")[1].strip()
     return result
 
@@ -227,7 +270,8 @@ def main(argv=None):
     print(f"{'method':<30}{'max seq len':>12}{'peak (GiB)':>12}")
     for method, seq in result["max_seq_len"].items():
         peak = result["peak_gib_at_max"][method]
-        print(f"{method:<30}{seq:>12}{peak if peak is not None else '-':>12}")
+        shown = seq if seq else f"< {args.granularity}"  # 0: not even one granule fits
+        print(f"{method:<30}{shown:>12}{peak if peak is not None else '-':>12}")
     print("\nAssumptions:\n" + result["assumptions"])
 
 
