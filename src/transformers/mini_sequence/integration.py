@@ -16,6 +16,12 @@ from .mlp import mini_sequence_mlp
 logger = logging.get_logger(__name__)
 
 
+def enabled(config) -> bool:
+    """Whether `config` asks for mini-sequences. `getattr`: MLPs and heads are also built from
+    configs that lack the field (draft heads, derived models), which then run upstream's path."""
+    return getattr(config, "mini_sequence_chunk", None) is not None
+
+
 def mlp_forward(mlp, hidden_states):
     """The gated MLP of `mlp` on `hidden_states`, one mini-sequence of tokens at a time."""
     config = mlp.config
@@ -28,8 +34,14 @@ def computes_loss(model, labels) -> bool:
     Only in training mode with labels: in eval and generation the logits are what callers want
     (metrics, sampling), so the upstream path runs. A model whose loss function was replaced
     keeps the upstream path too, with a warning, since the chunked loss is ForCausalLMLoss's.
+    So does a batch that would be one LM-head chunk: splitting nothing saves nothing, and the
+    chunked path's fp32 [V, d] gradient buffer would put its peak above upstream's.
     """
-    if model.config.mini_sequence_chunk is None or labels is None or not model.training:
+    config = model.config
+    if not enabled(config) or labels is None or not model.training:
+        return False
+    num_tokens = labels.numel()
+    if lm_head_chunk_size(config.mini_sequence_chunk, config.hidden_size, config.vocab_size, num_tokens) >= num_tokens:
         return False
     if model.loss_function is not ForCausalLMLoss:
         logger.warning_once(

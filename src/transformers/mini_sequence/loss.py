@@ -37,6 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from ._state import accumulate_grads
+from .wrappers import (
+    check_graph_inputs,
+    checkpointed_chunks,
+    function_parameters,
+    refuse_create_graph,
+    require_gradients,
+)
 
 
 def _apply_softcap(logits: torch.Tensor, cap):
@@ -53,8 +60,15 @@ def _chunk_loss_sum(lm_head, hidden_chunk, labels_chunk, softcap, ignore_index, 
     logits = _apply_softcap(lm_head(hidden_chunk), softcap)
     if logits.shape[-1] != vocab_size:
         raise ValueError(f"lm_head produced {logits.shape[-1]} logits per token, expected vocab_size={vocab_size}")
-    # fp32 upcast as upstream ForCausalLMLoss; only one chunk's [C, V] logits exist.
-    return F.cross_entropy(logits.float(), labels_chunk, ignore_index=ignore_index, reduction="sum")
+    # fp32 upcast as upstream ForCausalLMLoss; only one chunk's [C, V] logits exist. Labels follow
+    # the logits (an lm_head on another device under device_map), as upstream.
+    return F.cross_entropy(
+        logits.float(), labels_chunk.to(logits.device), ignore_index=ignore_index, reduction="sum"
+    )
+
+
+def _keep(tensor):
+    return tensor
 
 
 class _MiniSequenceLMLossFunction(torch.autograd.Function):
@@ -75,14 +89,20 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
         num_tokens = hidden.shape[0]
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            with torch.enable_grad():
+            # Identity saved-tensor hooks: this inner graph lives and dies here, so the hooks of an
+            # enclosing non-reentrant checkpoint must not pack it (each unpack by autograd.grad
+            # would re-run the whole checkpointed region: quadratic in the chunk count).
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                 h_chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
                 loss_chunk = _chunk_loss_sum(
                     lm_head, h_chunk, labels[start:end], softcap, ignore_index, vocab_size
                 )
                 inputs = ([h_chunk] if needs_hidden else []) + wanted_params
+                if start == 0:
+                    check_graph_inputs(loss_chunk, [h_chunk, *params], "mini-sequence LM-head loss")
                 grads = torch.autograd.grad(loss_chunk, inputs, allow_unused=True)
-            total += loss_chunk.detach()
+                require_gradients(grads, inputs, "mini-sequence LM-head loss")
+            total += loss_chunk.detach().to(total.device)
             del loss_chunk  # frees the chunk's logits before the next chunk
             if needs_hidden:
                 grad_hidden[start:end].copy_(grads[0])
@@ -97,6 +117,7 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
+        refuse_create_graph("mini-sequence LM-head loss")
         if ctx.param_grads is None:
             raise RuntimeError(
                 "mini-sequence LM loss: backward called twice; its precomputed gradients are "
@@ -173,13 +194,25 @@ def mini_sequence_causal_lm_loss(
             f"labels give {flat_labels.shape[0]} tokens but hidden_states has {hidden.shape[0]}"
         )
 
-    params = [p for p in lm_head.parameters() if p.requires_grad]
-    if _can_use_linear_cross_entropy(lm_head, hidden, final_logit_softcapping, vocab_size):
+    params = function_parameters(lm_head) if torch.is_grad_enabled() else None
+    if torch.is_grad_enabled() and params is None:
+        # A wrapper (ZeRO-3, FSDP, accelerate hooks) may swap the head's weight at call time: let
+        # autograd see each chunk's real forward, recomputing the chunk's logits in backward.
+        chunk_sums = checkpointed_chunks(
+            lambda h, start, end: _chunk_loss_sum(
+                lm_head, h, flat_labels[start:end], final_logit_softcapping, ignore_index, vocab_size
+            ),
+            hidden,
+            chunk_size,
+            dim=0,
+        )
+        loss_sum = torch.stack([s.to(chunk_sums[0].device) for s in chunk_sums]).sum()
+    elif _can_use_linear_cross_entropy(lm_head, hidden, final_logit_softcapping, vocab_size):
         options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size, chunking_method=None)
         loss_sum = F.linear_cross_entropy(
             hidden, lm_head.weight, flat_labels, reduction="sum", ignore_index=ignore_index, options=options
         )
-    elif torch.is_grad_enabled() and (hidden.requires_grad or params):
+    elif params is not None and (hidden.requires_grad or params):
         loss_sum = _MiniSequenceLMLossFunction.apply(
             hidden, flat_labels, chunk_size, lm_head, final_logit_softcapping, ignore_index, vocab_size, *params
         )
@@ -191,7 +224,7 @@ def mini_sequence_causal_lm_loss(
                 end = start + chunk_size
                 loss_sum += _chunk_loss_sum(
                     lm_head, hidden[start:end], flat_labels[start:end], final_logit_softcapping, ignore_index, vocab_size
-                )
+                ).to(loss_sum.device)
 
     if num_items_in_batch is not None:
         # Upstream fixed_cross_entropy: reduction="sum", then divide (tensor moved to the device).
@@ -201,6 +234,6 @@ def mini_sequence_causal_lm_loss(
     # Upstream reduction="mean" with ignore_index: sum over kept tokens / their count. When every
     # label is ignored upstream returns NaN with all-zero gradients; a plain 0/0 would give NaN
     # gradients too, so divide by max(count, 1) and add NaN as a constant (no sync, no grad).
-    count = (flat_labels != ignore_index).sum()
+    count = (flat_labels != ignore_index).sum().to(loss_sum.device)
     nan_if_empty = torch.where(count == 0, float("nan"), 0.0).to(loss_sum.dtype)
     return loss_sum / count.clamp(min=1) + nan_if_empty

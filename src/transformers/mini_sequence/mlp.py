@@ -10,12 +10,20 @@ backward, rebuilds one chunk's intermediates at a time (recomputation, as in Alg
 
 import torch
 
+
 from ._state import (
     accumulate_grads,
     capture_autocast_state,
     capture_rng_state,
     restore_autocast_state,
     restore_rng_state,
+)
+from .wrappers import (
+    check_graph_inputs,
+    checkpointed_chunks,
+    function_parameters,
+    refuse_create_graph,
+    require_gradients,
 )
 
 
@@ -69,6 +77,7 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        refuse_create_graph("mini-sequence MLP")
         (x,) = ctx.saved_tensors
         params = ctx.params
         needs_x = ctx.needs_input_grad[0]
@@ -91,9 +100,12 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
                 x_chunk = x[..., start:end, :].detach().requires_grad_(needs_x)
                 chunk_out = ctx.forward_fn(ctx.mlp, x_chunk)
                 inputs = ([x_chunk] if needs_x else []) + wanted_params
+                if start == 0:
+                    check_graph_inputs(chunk_out, [x_chunk, *params], "mini-sequence MLP")
                 grads = torch.autograd.grad(
                     chunk_out, inputs, grad_out[..., start:end, :], allow_unused=True
                 )
+                require_gradients(grads, inputs, "mini-sequence MLP")
                 del chunk_out  # frees this chunk's graph before the next one is built
                 if needs_x:
                     grad_x[..., start:end, :].copy_(grads[0])
@@ -118,8 +130,15 @@ def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward
     if seq_len <= chunk_size:
         return forward_fn(mlp, hidden_states)
 
-    params = [p for p in mlp.parameters() if p.requires_grad]
-    if not torch.is_grad_enabled() or not (hidden_states.requires_grad or params):
-        # Inference / frozen: nothing is kept for backward, so a plain loop is enough.
+    if not torch.is_grad_enabled():
+        # Inference: nothing is kept for backward, so a plain loop is enough.
         return _forward_chunks(forward_fn, mlp, hidden_states, chunk_size)
+    params = function_parameters(mlp)
+    if params is None:
+        # A wrapper (ZeRO-3, FSDP, accelerate hooks) may swap the weights at call time: let
+        # autograd see each chunk's real forward (wrappers.py explains why).
+        chunks = checkpointed_chunks(lambda chunk, start, end: forward_fn(mlp, chunk), hidden_states, chunk_size)
+        return torch.cat(chunks, dim=-2)
+    if not (hidden_states.requires_grad or params):
+        return _forward_chunks(forward_fn, mlp, hidden_states, chunk_size)  # frozen: nothing to keep
     return _MiniSequenceMLPFunction.apply(hidden_states, chunk_size, forward_fn, mlp, *params)

@@ -19,9 +19,22 @@ def check_model(model) -> None:
     `from_pretrained(path, mini_sequence_chunk=...)`, which assigns it to the loaded config.
     """
     config = model.config
+    model_type = getattr(config, "model_type", None)
     value = validate_mini_sequence_chunk(getattr(config, "mini_sequence_chunk", None))
-    if value is not None and getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+    if value is not None and model_type not in SUPPORTED_MODEL_TYPES:
         logger.warning_once(
             f"{type(model).__name__} (model_type={config.model_type!r}) has no mini-sequence path: "
             f"mini_sequence_chunk={value!r} is ignored. It applies to model types {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+        return
+    # A composite model (LLaVA & co) with the flag on its text config: the language model's MLP is
+    # split, but the composite's own LM head + loss is upstream's. Say so rather than half-apply it.
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_value = getattr(text_config, "mini_sequence_chunk", None)
+    if text_config is not config and text_value is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        logger.warning_once(
+            f"{type(model).__name__} (model_type={model_type!r}): text_config.mini_sequence_chunk={text_value!r} "
+            f"splits the language model's MLP into mini-sequences, but {type(model).__name__} computes its LM head "
+            "and loss upstream's way (full [batch, seq, vocab] logits): only model types "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} chunk the LM head."
         )

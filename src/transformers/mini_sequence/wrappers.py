@@ -1,0 +1,122 @@
+"""Which parameters a chunked autograd Function may take as inputs, under any training wrapper.
+
+Our Functions (mlp.py, loss.py) take the module's parameters as explicit inputs and return their
+gradients, computed chunk by chunk with fp32 sums, so that every gradient arrives once. That is
+only right when the tensors collected before the call are the tensors the module's forward will
+use. Training wrappers break this in three ways, each measured with the flag on (issue 8):
+
+- DeepSpeed ZeRO-3 gathers a partitioned weight in a forward pre-hook of each Linear: before the
+  call its data is empty, so the Function saw `[0]`-shaped inputs and autograd rejected the
+  gradient (`... expected shape compatible with [0]`).
+- FSDP2 with a module as its own `fully_shard` unit swaps the sharded DTensor parameters for
+  unsharded ones in a pre-hook: the collected (sharded) parameters were not used, and
+  `allow_unused=True` turned that into a silent `None` gradient.
+- FSDP1 (and accelerate offload) install the weights as plain tensor attributes (views of a
+  flat parameter): `module.parameters()` is empty, and the weights silently got no gradient.
+
+So: `function_parameters(module)` returns the parameters only when nothing can swap them (no
+module hooks, no replaced forward, every weight a registered leaf `nn.Parameter` of plain type);
+otherwise it returns None and the caller takes `checkpointed_chunks`, which routes every gradient
+through ordinary autograd (non-reentrant checkpointing of each chunk: same memory, one
+recomputation per chunk), so whatever the wrapper does to its parameters, autograd delivers the
+gradient the wrapper expects. And in the Function path, `check_graph_inputs` walks the recomputed
+graph once and raises if it reaches a tensor that requires grad and is not an input, so a
+gradient can never disappear silently.
+"""
+
+import torch
+from torch.nn.modules import module as _module_globals
+from torch.utils.checkpoint import checkpoint
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+        or "forward" in module.__dict__  # accelerate's add_hook_to_module replaces forward
+    )
+
+
+def _is_plain_parameter(param: torch.Tensor) -> bool:
+    if type(param) is not torch.nn.Parameter or not param.is_leaf:
+        return False  # DTensor (FSDP2 sharded), tensor subclasses, non-leaf views
+    return not hasattr(param, "ds_id")  # DeepSpeed ZeRO-3 partitioned parameter
+
+
+def function_parameters(module: torch.nn.Module) -> list | None:
+    """The parameters of `module` that require grad, if a Function may take them as inputs; else None.
+
+    None means some wrapper may change, at call time, which tensors the forward uses: the caller
+    must let autograd see the real forward (see `checkpointed_chunks`).
+    """
+    if _module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks:
+        return None
+    for sub in module.modules():
+        if _has_hooks(sub):
+            return None
+        for value in vars(sub).values():
+            # A weight installed as a plain attribute (FSDP1 flat-parameter views): not a parameter.
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                return None
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not all(_is_plain_parameter(p) for p in params):
+        return None
+    return params
+
+
+def check_graph_inputs(output: torch.Tensor, inputs, where: str) -> None:
+    """Raise if the autograd graph of `output` reaches a leaf that requires grad but is not one of
+    `inputs`: its gradient would be silently dropped by `autograd.grad(output, inputs)`."""
+    wanted = {id(t) for t in inputs}
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
+        if leaf is not None:
+            if id(leaf) not in wanted:
+                raise RuntimeError(
+                    f"{where}: the computation uses a tensor of shape {tuple(leaf.shape)} that requires grad "
+                    "but is not among the parameters the chunked Function was given, so its gradient would be "
+                    "lost. A wrapper or hook swapped the module's weights; please report this with your setup."
+                )
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def refuse_create_graph(where: str) -> None:
+    """Call first in a Function's backward. Grad mode is on there only under `create_graph=True`
+    (double backward, gradient penalties): our chunked backward is not differentiable, and returning
+    gradients without a graph would make their own gradient silently zero."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{where}: backward with create_graph=True (double backward) is not supported by the chunked "
+            "path; unset mini_sequence_chunk for higher-order gradients."
+        )
+
+
+def require_gradients(grads, inputs, where: str) -> None:
+    """Raise if a wanted input got no gradient (instead of passing `None` on silently)."""
+    for grad, tensor in zip(grads, inputs):
+        if grad is None:
+            raise RuntimeError(
+                f"{where}: a tensor of shape {tuple(tensor.shape)} that requires grad got no gradient from "
+                "the recomputed chunk; refusing to return a missing gradient."
+            )
+
+
+def checkpointed_chunks(fn, x: torch.Tensor, chunk_size: int, dim: int = -2) -> list:
+    """`[fn(chunk, start, end) for each chunk of x along dim]`, each call under non-reentrant
+    activation checkpointing: only the chunk's input is kept, its intermediates are rebuilt in
+    backward one chunk at a time (RNG and autocast state replayed by torch), and parameter
+    gradients flow through ordinary autograd: wrapper hooks see them, and the engine sums each
+    parameter's chunk gradients before accumulating it once."""
+    outputs = []
+    for start in range(0, x.shape[dim], chunk_size):
+        end = min(start + chunk_size, x.shape[dim])
+        outputs.append(checkpoint(fn, x.narrow(dim, start, end - start), start, end, use_reentrant=False))
+    return outputs
