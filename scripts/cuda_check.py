@@ -1,0 +1,191 @@
+"""CUDA measurements of the mini-sequence flag on one GPU (run where a GPU is lent; CPU for a smoke run).
+
+    python scripts/cuda_check.py [--model llama-1b] [--seq 4096 16384] [--out DIR]
+
+Three parts, each printing its numbers and writing them to <out>/cuda_check.json:
+
+1. exactness on CUDA: a small fp32 Llama, flag off vs chunks 7 and "auto", batch 2 with left
+   padding and ignored labels: loss and every gradient (relative error, must be <= 1e-5);
+   and the same with the LM head on the CPU and the rest on the GPU (accelerate `device_map`
+   hooks: the wrapped path, labels moved to the head's device as upstream does).
+2. training steps of a ~1.2B Llama (Llama-3.2-1B shapes, bf16 weights and AdamW states in bf16,
+   SDPA attention) for the methods vanilla / checkpointing / mini_sequence /
+   mini_sequence+checkpointing at each --seq: peak `torch.cuda.max_memory_allocated` (weights,
+   optimizer states, gradients, activations) and median step time (forward, backward, AdamW).
+3. the planner's estimate of the same peaks (fake tensors on CPU, FlashAttention-like stand-in),
+   next to the measurement: how far the planner is from a real GPU.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+METHODS = {
+    "vanilla": (None, False),
+    "checkpointing": (None, True),
+    "mini_sequence": ("auto", False),
+    "mini_sequence+checkpointing": ("auto", True),
+}
+MODELS = {
+    # Llama-3.2-1B's public config.json shapes (tied embeddings).
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                     tie_word_embeddings=True),
+    # for a CPU smoke run of this script
+    "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def exactness(device):
+    """Flag off vs on, fp32, on `device`; and with the LM head on the CPU (device_map)."""
+    from accelerate import dispatch_model
+
+    config = dict(MODELS["tiny"], vocab_size=512, pad_token_id=0)
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1, 512, (2, 300), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[0, 50:90] = -100
+
+    def run(chunk, split_head):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, mini_sequence_chunk=chunk))
+        if split_head:
+            # main_device="cpu": the head really lives on the CPU (otherwise accelerate treats CPU
+            # modules as offloaded weights, loaded into the GPU at each call).
+            model = dispatch_model(model, device_map={"model": device, "lm_head": "cpu"}, main_device="cpu")
+        else:
+            model.to(device)
+        model.train()
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
+        out.loss.backward()
+        grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        return out.loss.detach().cpu(), grads, missing
+
+    results = {}
+    for split_head in (False, True) if device != "cpu" else (False,):
+        ref_loss, ref_grads, _ = run(None, split_head)
+        for chunk in (7, 64, "auto"):
+            loss, grads, missing = run(chunk, split_head)
+            name = f"chunk={chunk}" + (" lm_head on cpu" if split_head else "")
+            worst = max(rel_err(grads[n], ref_grads[n]) for n in ref_grads)
+            results[name] = {"loss_rel_err": rel_err(loss, ref_loss), "max_grad_rel_err": worst, "missing_grads": missing}
+            print(f"exactness {name:28s} loss rel err {results[name]['loss_rel_err']:.1e}  "
+                  f"max grad rel err {worst:.1e}  missing grads {missing}", flush=True)
+    return results
+
+
+def build(model_name, chunk, checkpointing, device):
+    config = transformers.LlamaConfig(**MODELS[model_name], mini_sequence_chunk=chunk, use_cache=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    model.train()
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    return model
+
+
+def train_steps(model_name, method, seq, device, repeats):
+    chunk, checkpointing = METHODS[method]
+    model = build(model_name, chunk, checkpointing, device)
+    # AdamW with bf16 states (the planner's adamw-bf16): states created by one step on zero grads.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    ids = torch.randint(0, MODELS[model_name]["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
+    ids = ids.to(device)
+    times, losses = [], []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+    except torch.OutOfMemoryError:
+        return {"method": method, "seq": seq, "oom": True}
+    finally:
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        del model, optimizer
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"method": method, "seq": seq, "oom": False, "peak_bytes": peak,
+            "step_seconds": statistics.median(times[1:]), "first_loss": losses[0]}
+
+
+def planner_peaks(model_name, methods, seqs):
+    from transformers.mini_sequence.plan import Planner
+
+    planner = Planner(transformers.LlamaConfig(**MODELS[model_name]), optimizer="adamw-bf16")
+    return {(m, s): planner.peak_bytes(m, s) for m in methods for s in seqs}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-1b", choices=list(MODELS))
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--no-planner", action="store_true", help="skip the planner comparison")
+    parser.add_argument("--no-exactness", action="store_true", help="skip part 1")
+    parser.add_argument("--out", type=Path, default=Path("out/cuda_check"))
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+
+    report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+              "model": args.model, "model_config": MODELS[args.model]}
+    report["exactness"] = {} if args.no_exactness else exactness(device)
+    planned = {} if args.no_planner else planner_peaks(args.model, args.methods, args.seq)
+    rows = []
+    for seq in args.seq:
+        for method in args.methods:
+            row = train_steps(args.model, method, seq, device, args.repeats)
+            if (method, seq) in planned:
+                row["planner_peak_bytes"] = planned[(method, seq)]
+            rows.append(row)
+            if row["oom"]:
+                print(f"S={seq:6d} {method:28s} OOM", flush=True)
+                continue
+            peak = row["peak_bytes"]
+            plan = row.get("planner_peak_bytes")
+            print(f"S={seq:6d} {method:28s} peak {peak / 2**30 if peak else float('nan'):7.2f} GiB  "
+                  f"planner {plan / 2**30 if plan else float('nan'):7.2f} GiB  "
+                  f"step {row['step_seconds']:.3f} s  loss {row['first_loss']:.4f}", flush=True)
+    report["steps"] = rows
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"cuda_check_{'_'.join(map(str, args.seq))}.json").write_text(json.dumps(report, indent=1))
+    bad = [k for k, v in report["exactness"].items() if v["loss_rel_err"] > 1e-5 or v["max_grad_rel_err"] > 1e-5 or v["missing_grads"]]
+    if bad:
+        print(f"NOT EXACT: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
