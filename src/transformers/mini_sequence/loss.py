@@ -38,9 +38,11 @@ import torch.nn.functional as F
 
 from ._state import accumulate_grads
 from .wrappers import (
+    call_hooks_once,
     check_graph_inputs,
     checkpointed_chunks,
     function_parameters,
+    raw_forward,
     refuse_create_graph,
     require_gradients,
 )
@@ -198,15 +200,20 @@ def mini_sequence_causal_lm_loss(
     if torch.is_grad_enabled() and params is None:
         # A wrapper (ZeRO-3, FSDP, accelerate hooks) may swap the head's weight at call time: let
         # autograd see each chunk's real forward, recomputing the chunk's logits in backward.
-        chunk_sums = checkpointed_chunks(
-            lambda h, start, end: _chunk_loss_sum(
-                lm_head, h, flat_labels[start:end], final_logit_softcapping, ignore_index, vocab_size
-            ),
-            hidden,
-            chunk_size,
-            dim=0,
-        )
-        loss_sum = torch.stack([s.to(chunk_sums[0].device) for s in chunk_sums]).sum()
+        head = raw_forward(lm_head)
+
+        def chunked_loss_sum(hidden):
+            chunk_sums = checkpointed_chunks(
+                lambda h, start, end: _chunk_loss_sum(
+                    head, h, flat_labels[start:end], final_logit_softcapping, ignore_index, vocab_size
+                ),
+                hidden,
+                chunk_size,
+                dim=0,
+            )
+            return torch.stack([s.to(chunk_sums[0].device) for s in chunk_sums]).sum()
+
+        loss_sum = call_hooks_once(lm_head, chunked_loss_sum, hidden)
     elif _can_use_linear_cross_entropy(lm_head, hidden, final_logit_softcapping, vocab_size):
         options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size, chunking_method=None)
         loss_sum = F.linear_cross_entropy(
