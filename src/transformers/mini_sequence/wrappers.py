@@ -31,8 +31,17 @@ from torch.nn.modules import module as _module_globals
 from torch.utils.checkpoint import checkpoint
 
 
+def _is_fsdp1_unit(module: torch.nn.Module) -> bool:
+    """An FSDP1 unit gathers its weights in its own forward (no hooks to see) and swaps them in."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel)
+
+
 def _has_hooks(module: torch.nn.Module) -> bool:
-    return bool(
+    return _is_fsdp1_unit(module) or bool(
         module._forward_pre_hooks
         or module._forward_hooks
         or module._backward_pre_hooks
@@ -77,23 +86,33 @@ def call_hooks_once(module: torch.nn.Module, loop, *args):
     forward: pre-hooks gather (and register the post-backward hook on the inputs), post-hooks
     register the pre-backward gather on the output, which precedes every chunk's backward. `loop`
     calls `raw_forward(module)` per chunk. A module whose `forward` is already replaced (accelerate)
-    keeps its per-call behaviour: its hooks live inside that forward.
+    keeps its per-call behaviour: its hooks live inside that forward. For an FSDP1 unit, `loop`
+    replaces the wrapped module's forward, so the unit gathers once around it.
     """
-    if "forward" in module.__dict__:
+    inner = _innermost(module)
+    if "forward" in inner.__dict__:
         return loop(*args)
-    module.forward = loop
+    inner.forward = loop
     try:
         return module(*args)
     finally:
-        del module.forward
+        del inner.forward
 
 
 def raw_forward(module: torch.nn.Module):
     """The module's class forward, without its hooks (see `call_hooks_once`); the module itself when
     its forward was replaced."""
-    if "forward" in module.__dict__:
+    inner = _innermost(module)
+    if "forward" in inner.__dict__:
         return module
-    return functools.partial(type(module).forward, module)
+    return functools.partial(type(inner).forward, inner)
+
+
+def _innermost(module: torch.nn.Module) -> torch.nn.Module:
+    """The module an FSDP1 unit wraps (FSDP1 gathers in its own forward, then calls it), else itself."""
+    while _is_fsdp1_unit(module):
+        module = module._fsdp_wrapped_module
+    return module
 
 
 def check_graph_inputs(output: torch.Tensor, inputs, where: str) -> None:
