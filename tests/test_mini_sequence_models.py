@@ -7,6 +7,7 @@ parameter and the gradient of `inputs_embeds`.
 
 import logging
 import math
+import zlib
 
 import pytest
 import torch
@@ -112,7 +113,8 @@ def test_flag_assigned_after_construction_is_checked_at_use():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("chunk", CHUNKS, ids=str)
 def test_exact_against_unsplit(family, chunk):
-    compare(family, chunk, seed=hash((family, str(chunk))) % 1000)
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, so a failure would not reproduce.
+    compare(family, chunk, seed=zlib.crc32(f"{family}/{chunk}".encode()) % 1000)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
