@@ -5,13 +5,17 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 MST := PYTHONPATH=scripts $(PY) -m mstbuild
 WHEEL_DIR := dist
+# Where `make demo` / `make bench` write: out/ is ignored by git, so a run leaves the checkout
+# clean. OUT=docs replaces the committed docs/demo.png and docs/bench/ on purpose.
+OUT ?= out
 
 .PHONY: help venv wheel install test demo bench workspace patches rebase clean distclean
 
 help:
 	@echo "make test        bootstrap .venv, build + install the distribution, run the test suite"
-	@echo "make demo        bootstrap, build + install, run the demo (a short training run)"
-	@echo "make bench       bootstrap, build + install, run the benchmarks (SWEEPS=\"methods blocks families\")"
+	@echo "make demo        bootstrap, build + install, run the demo (a short training run); plot in out/demo.png"
+	@echo "make bench       bootstrap, build + install, run the benchmarks (SWEEPS=\"methods blocks families\"); results in out/bench/"
+	@echo "                 OUT=docs: write into the committed docs/demo.png, docs/bench/ instead (on purpose)"
 	@echo "make wheel       build dist/transformers-<version>+mst.N-py3-none-any.whl"
 	@echo "make workspace   work/pristine (upstream) + work/patched (git stack of our patches); FORCE=1 discards work/"
 	@echo "make patches     regenerate patches/*.patch and patches/series from work/patched"
@@ -39,11 +43,11 @@ test: install
 	$(PY) -m pytest tests
 
 demo: install
-	$(PY) scripts/demo.py $(ARGS)
+	$(PY) scripts/demo.py --plot $(OUT)/demo.png $(ARGS)
 
-# SWEEPS: any of methods blocks families (scripts/bench.py --help); results go to docs/bench/.
+# SWEEPS: any of methods blocks families (scripts/bench.py --help); results go to $(OUT)/bench/.
 bench: install
-	for sweep in $(or $(SWEEPS),methods blocks families); do $(PY) scripts/bench.py $$sweep $(ARGS) || exit 1; done
+	for sweep in $(or $(SWEEPS),methods blocks families); do $(PY) scripts/bench.py $$sweep --out $(OUT)/bench $(ARGS) || exit 1; done
 
 workspace: venv
 	$(MST) workspace $(if $(FORCE),--force)

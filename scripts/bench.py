@@ -15,6 +15,9 @@ allocator's, without allocator rounding or caching. Step time: median of --repea
 after a warm-up, with the methods interleaved so that machine noise hits them alike.
 
 Each sweep writes <out>/<sweep>.csv and .md and PNG plots (matplotlib) and prints the table.
+<out> is out/bench/ by default (ignored by git, so a run leaves the checkout clean); the
+results committed under docs/bench/ are written on purpose with --out docs/bench (or
+`make bench OUT=docs`).
 """
 
 import argparse
@@ -46,6 +49,7 @@ FAMILIES = {
 BASE = dict(hidden_size=256, intermediate_size=1024, vocab_size=32000, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1 << 17)
 MIB = 2**20
+REPO = Path(__file__).resolve().parents[1]
 
 
 def device_of(name):
@@ -262,7 +266,7 @@ def write(rows, out, name, header):
     print(table)
 
 
-def main(argv=None):
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", choices=["methods", "blocks", "families"])
     parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="for `methods`")
@@ -274,7 +278,13 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (median)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--out", type=Path, default=Path("docs/bench"), help="output folder")
+    parser.add_argument("--out", type=Path, default=REPO / "out" / "bench",
+                        help="output folder (default out/bench, ignored by git; docs/bench holds the committed results)")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.chunk != "auto":
         args.chunk = int(args.chunk)

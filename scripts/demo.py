@@ -6,7 +6,8 @@ matters; trained once and cached under .cache/demo/). From the same initial weig
 same batches, a few AdamW steps run with `mini_sequence_chunk` unset (upstream) and set
 ("auto" by default), one step of each in turn so that a busy machine slows both alike. It
 prints the per-step losses side by side (they must agree to 1e-4 relative, else it exits 1),
-the peak memory and the time of each step, a summary, and saves a plot (docs/demo.png).
+the peak memory and the time of each step, a summary, and saves a plot (out/demo.png, ignored
+by git so that a run leaves the checkout clean; `--plot docs/demo.png` replaces the committed one).
 With --model PATH it trains that local checkpoint instead, with its own tokenizer.
 
 Peak memory of a step (forward, backward, AdamW step), max over the steps: the weights and
@@ -46,7 +47,8 @@ def parse_args(argv):
     parser.add_argument("--max-chars", type=int, default=4_000_000, help="characters of stdlib source to read (default 4M)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "demo.png", help="PNG to write (default docs/demo.png)")
+    parser.add_argument("--plot", type=Path, default=REPO / "out" / "demo.png",
+                        help="PNG to write (default out/demo.png, ignored by git; docs/demo.png is the committed one)")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "demo", help="where the tokenizer is cached")
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
     args = parser.parse_args(argv)

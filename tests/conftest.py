@@ -45,7 +45,7 @@ def monkeypatch_session():
 
 def copy_repo(dest: Path) -> Path:
     """A copy of the project's own files (no venv, caches, work tree or build outputs)."""
-    ignore = shutil.ignore_patterns(".venv", ".cache", "work", "dist", ".git", "__pycache__", ".pytest_cache")
+    ignore = shutil.ignore_patterns(".venv", ".cache", "work", "dist", "out", ".git", "__pycache__", ".pytest_cache")
     shutil.copytree(REPO, dest, ignore=ignore)
     return dest
 

@@ -7,6 +7,7 @@ parameter and the gradient of `inputs_embeds`.
 
 import logging
 import math
+import zlib
 
 import pytest
 import torch
@@ -112,7 +113,8 @@ def test_flag_assigned_after_construction_is_checked_at_use():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("chunk", CHUNKS, ids=str)
 def test_exact_against_unsplit(family, chunk):
-    compare(family, chunk, seed=hash((family, str(chunk))) % 1000)
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, so a failure would not reproduce.
+    compare(family, chunk, seed=zlib.crc32(f"{family}/{chunk}".encode()) % 1000)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -200,20 +202,43 @@ def test_peft_lora_on_mlp_exact():
         assert_close(grads[name], ref_grads[name], what=name)
 
 
+def grad_groups(model, grads, embeds_grad):
+    """The gradients as three flat vectors: the MLPs' weights, the LM head's weight (tied: the
+    embedding), everything else with the inputs_embeds gradient."""
+    head = next(n for n, p in model.named_parameters() if p is model.get_output_embeddings().weight)
+    groups = {"mlp": [], "lm_head": [], "rest": [embeds_grad]}
+    for name, grad in grads.items():
+        groups["mlp" if ".mlp." in name else "lm_head" if name == head else "rest"].append(grad)
+    return {k: torch.cat([g.double().flatten() for g in v]) for k, v in groups.items()}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bf16_within_bf16_error(family):
-    # Reference: the unsplit model in fp32. Both bf16 runs must be as close to it as each other.
-    inputs = batch(14)
-    ref, ref_grads, _ = train_step(make_model(family), *inputs)
-    errs = {}
-    for chunk in (None, 7):
+def test_bf16_as_accurate_as_upstream(family):
+    """bf16 with the flag (chunk 2: 64 MLP and 192 LM-head mini-sequences) is as accurate as
+    upstream bf16, both against fp32 from the same bf16 weights and inputs.
+
+    Measured (ours / upstream relative-norm error, per group): 1.00-1.09 for the four families;
+    with the parameter gradients summed over the mini-sequences in bf16 instead of fp32, the MLP
+    group is 1.44-1.79x and the LM head 2.33-3.33x. (fp32, not fp64: Gemma-2's eager attention
+    gives NaN for fully padded rows in fp64.)
+    """
+    inputs = batch(14, seq=128)
+    model16 = make_model(family).to(torch.bfloat16)
+    model32 = make_model(family)
+    model32.load_state_dict({k: v.float() for k, v in model16.state_dict().items()})
+    _, ref_grads, ref_embeds_grad = train_step(model32, *inputs)
+    reference = grad_groups(model32, ref_grads, ref_embeds_grad)
+    runs = {}
+    for chunk in (None, 2):
         model = make_model(family, mini_sequence_chunk=chunk).to(torch.bfloat16)
-        out, grads, _ = train_step(model, *inputs)
-        errs[chunk] = max(
-            ((grads[n].float() - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)).item() for n in ref_grads
-        )
-        assert abs(out.loss.float() - ref.loss) / ref.loss < 2e-2
-    assert errs[7] <= 2 * errs[None] + 1e-2, errs
+        out, grads, embeds_grad = train_step(model, *inputs)
+        assert out.logits is None or chunk is None
+        runs[chunk] = out.loss, grad_groups(model, grads, embeds_grad)
+    (up_loss, up), (loss, ours) = runs[None], runs[2]
+    assert_close(loss, up_loss, 1e-5, "loss")  # fp32 sums of the same bf16 logits
+    for group, ref in reference.items():
+        err, err_up = [((g[group] - ref).norm() / ref.norm()).item() for g in (ours, up)]
+        assert err <= 1.25 * err_up, f"{group}: error {err:.2e} vs fp32, upstream bf16 {err_up:.2e}"
 
 
 # ----------------------------------------------------------------------------- memory
