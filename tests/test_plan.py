@@ -232,9 +232,10 @@ def test_multi_gpu_json_and_table(capsys, tiny_config):
     assert ckpt > 0 and ckpt % 512 == 0 and set(result["host_gib_at_max"]) == set(plan.METHODS)
     assert all(p <= 0.06 for p in result["peak_gib_at_max"].values() if p is not None)
     assert "Ulysses" in result["assumptions"] and "all-to-all" in result["assumptions"]
-    code, out, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "0.06", "--granularity", "512",
-                              "--gpus", "2", "--zero", "2", "--methods", "checkpointing")
-    assert code == 0 and "peak/GPU (GiB)" in out and "host/GPU (GiB)" in out and "vanilla" not in out.split("Assumptions")[0]
+    code, out, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "0.12", "--granularity", "512",
+                              "--optimizer", "none", "--gpus", "2", "--zero", "2", "--methods", "checkpointing")
+    assert code == 0, err[-2000:]
+    assert "peak/GPU (GiB)" in out and "host/GPU (GiB)" in out and "vanilla" not in out.split("Assumptions")[0]
 
 
 def test_bad_parallel_settings_fail_before_measuring(capsys, tiny_config, monkeypatch):
@@ -264,5 +265,5 @@ def test_bad_parallel_settings_fail_before_measuring(capsys, tiny_config, monkey
     with pytest.raises(plan.PlanError, match=r"--offload gradients: allowed optimizer, inputs"):
         plan.plan(str(tiny_config), 80, gpus=2, offload=["gradients"])
     with pytest.raises(plan.PlanError, match="key/value heads"):
-        plan.plan(str(tiny_config.parent), 80, gpus=4, sp=4) if False else plan.Planner(
-            transformers.LlamaConfig(**dict(TINY, num_attention_heads=12, num_key_value_heads=3)), parallel=plan.Parallel(4, 0, 4))
+        plan.Planner(transformers.LlamaConfig(**dict(TINY, hidden_size=384, num_attention_heads=12, num_key_value_heads=3)),
+                     parallel=plan.Parallel(4, 0, 4))
