@@ -137,3 +137,133 @@ def test_bad_inputs(capsys, tmp_path, tiny_config):
     assert code == 2 and "--granularity must be" in err
     code, _, err = run_main(capsys, "--model", "llama3-8b", "--gpu-memory-gib", "16")
     assert code == 2 and "8.03B parameters" in err
+
+
+# --- several GPUs: ZeRO, Ulysses sequence parallelism, offload -----------------------------------------------
+
+GQA = dict(TINY, num_key_value_heads=2)
+
+
+def _reference_single_gpu_peak(method, seq_len, optimizer_bytes):
+    """Today's one-GPU figure, computed without the Planner: resident weights + optimizer states plus the
+    tracked peak of one fake step of the model with the planner's stand-in attention."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    chunk, checkpointing = plan.METHODS[method]
+    with FakeTensorMode():
+        config = transformers.LlamaConfig(**TINY, mini_sequence_chunk=chunk, use_cache=False)
+        config._attn_implementation = plan.ATTENTION
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        num_params = sum(p.numel() for p in model.parameters())
+        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        with LiveTensorTracker(keep_largest=0) as tracker:
+            model(input_ids=ids, labels=ids).loss.backward()
+    return num_params * (2 + optimizer_bytes) + tracker.peak_bytes
+
+
+def test_one_gpu_equals_the_single_gpu_plan(tiny_config):
+    """--gpus 1 --zero 0 --sp 1, no offload: the same lengths and peaks as the one-GPU computation; ZeRO-1/2
+    over one GPU shard nothing, so they too give the same numbers."""
+    budget_gib = 0.12
+    want_len, want_peak = {}, {}
+    for method in plan.METHODS:
+        peak = lambda s, m=method: _reference_single_gpu_peak(m, s, 0)  # noqa: E731
+        want_len[method] = plan.search_max_fitting(peak, int(budget_gib * 2**30), 256, 1 << 22)
+        want_peak[method] = round(peak(want_len[method]) / 2**30, 2)
+    for zero in (0, 1, 2):
+        got = plan.plan(str(tiny_config), budget_gib, "none", granularity=256, gpus=1, zero=zero, sp=1, offload=())
+        assert got["max_seq_len"] == want_len and got["peak_gib_at_max"] == want_peak, (zero, got, want_len)
+    default = plan.plan(str(tiny_config), budget_gib, "none", granularity=256)
+    assert default["max_seq_len"] == want_len and "gpus" not in default  # the one-GPU output keeps its form
+
+
+def test_zero3_more_gpus_never_raise_per_gpu_memory():
+    state, step = [], []
+    for gpus in (1, 2, 4):
+        planner = plan.Planner(transformers.LlamaConfig(**GQA), parallel=plan.Parallel(gpus, 3, 1))
+        state.append(planner.resident_bytes + planner.gradient_bytes)
+        step.append(planner.step_peak_bytes("mini_sequence+checkpointing", 512))
+    assert state[0] > state[1] > state[2], state
+    assert step[0] >= step[1] >= step[2], step  # smaller gradient partitions, same gathered modules
+
+
+def test_zero3_gathers_one_module_at_a_time():
+    """ZeRO-3's gathered parameters are measured in the step: at 2048 tokens the peak is in the chunked
+    LM-head loss, where the head's full weight is gathered: above ZeRO-2's step, by at most the largest
+    module's parameters (the LM head here) plus one more module in flight."""
+    config = transformers.LlamaConfig(**GQA)
+    zero2 = plan.Planner(config, parallel=plan.Parallel(1, 2, 1)).step_peak_bytes("mini_sequence+checkpointing", 2048)
+    zero3 = plan.Planner(config, parallel=plan.Parallel(1, 3, 1)).step_peak_bytes("mini_sequence+checkpointing", 2048)
+    head_bytes = TINY["vocab_size"] * TINY["hidden_size"] * 2
+    assert 0 < zero3 - zero2 <= 2 * head_bytes, (zero2, zero3)
+
+
+def test_sequence_parallel_lowers_the_activation_peak():
+    """Ulysses sp=2 at a fixed sequence: each GPU's step peak is lower, for every method."""
+    config = transformers.LlamaConfig(**GQA)
+    sp1 = plan.Planner(config, parallel=plan.Parallel(2, 0, 1))
+    sp2 = plan.Planner(config, parallel=plan.Parallel(2, 0, 2))
+    for method in plan.METHODS:
+        one, two = sp1.step_peak_bytes(method, 2048), sp2.step_peak_bytes(method, 2048)
+        assert two < one, (method, one, two)  # mini_sequence: 1024 tokens per rank take the one-chunk head path
+
+
+def test_layer_input_offload_moves_exactly_the_layer_inputs():
+    config = transformers.LlamaConfig(**GQA)
+    kept = plan.Planner(config, parallel=plan.Parallel(2, 3, 2))
+    offloaded = plan.Planner(config, parallel=plan.Parallel(2, 3, 2, ("inputs", "optimizer")))
+    seq = 2048
+    assert offloaded.step_peak_bytes("checkpointing", seq) < kept.step_peak_bytes("checkpointing", seq)
+    layer_inputs = TINY["num_hidden_layers"] * (seq // 2) * TINY["hidden_size"] * 2  # bf16 [S/sp, d] per layer
+    assert offloaded.host_bytes("checkpointing", seq) == offloaded.host_state_bytes + layer_inputs
+    assert offloaded.host_state_bytes == 8 * -(-offloaded.num_params // 2) and offloaded.resident_bytes == 2 * -(-offloaded.num_params // 2)
+    assert offloaded.host_bytes("vanilla", seq) == offloaded.host_state_bytes  # nothing checkpointed, nothing moved
+
+
+def test_multi_gpu_json_and_table(capsys, tiny_config):
+    code, out, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "0.06", "--granularity", "512",
+                              "--gpus", "4", "--zero", "3", "--sp", "2", "--offload", "inputs", "--json")
+    assert code == 0, err[-2000:]
+    result = json.loads(out)
+    assert (result["gpus"], result["zero"], result["sp"], result["offload"]) == (4, 3, 2, ["inputs"])
+    ckpt = result["max_seq_len"]["checkpointing"]
+    assert ckpt > 0 and ckpt % 512 == 0 and set(result["host_gib_at_max"]) == set(plan.METHODS)
+    assert all(p <= 0.06 for p in result["peak_gib_at_max"].values() if p is not None)
+    assert "Ulysses" in result["assumptions"] and "all-to-all" in result["assumptions"]
+    code, out, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "0.12", "--granularity", "512",
+                              "--optimizer", "none", "--gpus", "2", "--zero", "2", "--methods", "checkpointing")
+    assert code == 0, err[-2000:]
+    assert "peak/GPU (GiB)" in out and "host/GPU (GiB)" in out and "vanilla" not in out.split("Assumptions")[0]
+
+
+def test_bad_parallel_settings_fail_before_measuring(capsys, tiny_config, monkeypatch):
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before validating")
+
+    monkeypatch.setattr(plan.Planner, "step_peak_bytes", no_measuring)
+    cases = [
+        (["--gpus", "8", "--sp", "3"], "--sp 3: must be a positive integer dividing --gpus 8 (allowed: 1, 2, 4, 8)"),
+        (["--gpus", "8", "--sp", "8"], "4 query heads are not divisible by 8"),
+        (["--gpus", "0"], "--gpus 0: must be a positive integer"),
+        (["--gpus", "2", "--sp", "2", "--granularity", "1001"], "--granularity 1001: must be a multiple of --sp 2"),
+        (["--gpus", "2", "--zero", "2", "--optimizer-in-backward"], "allowed only with --zero 0"),
+        (["--methods", "fastest"], "invalid choice: 'fastest'"),
+    ]
+    for extra, message in cases:
+        code, out, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "80", *extra)
+        assert code == 2 and message in err and not out, (extra, err)
+    # argparse checks the choices of --zero and --offload, naming the allowed values ...
+    code, _, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "80", "--zero", "4")
+    assert code == 2 and "--zero" in err and "choose from 0, 1, 2, 3" in err
+    code, _, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "80", "--offload", "gradients")
+    assert code == 2 and "--offload" in err and "'optimizer', 'inputs'" in err
+    # ... and plan() checks them too, for callers that do not go through the command line.
+    with pytest.raises(plan.PlanError, match=r"--zero 4: allowed 0, 1, 2, 3"):
+        plan.plan(str(tiny_config), 80, zero=4)
+    with pytest.raises(plan.PlanError, match=r"--offload gradients: allowed optimizer, inputs"):
+        plan.plan(str(tiny_config), 80, gpus=2, offload=["gradients"])
+    with pytest.raises(plan.PlanError, match="key/value heads"):
+        plan.Planner(transformers.LlamaConfig(**dict(TINY, hidden_size=384, num_attention_heads=12, num_key_value_heads=3)),
+                     parallel=plan.Parallel(4, 0, 4))

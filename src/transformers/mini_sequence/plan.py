@@ -1,6 +1,8 @@
 """How long a sequence fits on a GPU? Estimated on a CPU, without weights.
 
     python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 [--json]
+    python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 \
+        --gpus 8 --zero 3 --sp 8 --offload optimizer inputs   # per GPU of 8 (ZeRO-3, Ulysses)
 
 For each method (vanilla, checkpointing, mini_sequence, mini_sequence+checkpointing) it runs
 one training step (forward + backward) of the full-size model under `FakeTensorMode` on the
@@ -8,6 +10,9 @@ CPU device (tensors have shapes and dtypes but no memory; a fake `cuda` device c
 CPU build of torch, so fake CPU stands in for the GPU), measures the peak of live tensor bytes
 with `LiveTensorTracker`, adds the resident weights and optimizer states, and searches the
 largest sequence length (a multiple of --granularity) whose peak fits in the GPU memory.
+With several GPUs it runs the step of one rank (its share of the tokens and heads, ZeRO's
+sharded states and gathered parameters, offloaded tensors moved out) and reports that GPU's
+peak and the host memory the rank's offloaded tensors take.
 
 Assumptions (printed with every result):
 - batch 1; pure bf16 training: bf16 weights, activations and gradients, no fp32 master copy;
@@ -32,8 +37,11 @@ allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all he
 
 import argparse
 import contextlib
+import functools
 import json
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,7 +62,10 @@ METHODS = {  # name -> (mini_sequence_chunk, gradient checkpointing)
     "mini_sequence": ("auto", False),
     "mini_sequence+checkpointing": ("auto", True),
 }
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw-bf16": 4, "none": 0}  # per parameter
+# per parameter; "adamw-fp32-master": DeepSpeed/Trainer bf16 mixed precision (fp32 master weights + 2 fp32 states)
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw-bf16": 4, "adamw-fp32-master": 12, "none": 0}
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD_CHOICES = ("optimizer", "inputs")  # optimizer states / checkpointed layer inputs in host memory
 # Public config.json values of the released checkpoints.
 BUILTIN = {
     "llama3-8b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -70,6 +81,30 @@ BUILTIN = {
                                        query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
                                        attn_logit_softcapping=50.0, tie_word_embeddings=True)),
 }
+MULTI_GPU_ASSUMPTIONS = """
+Multi-GPU (--gpus/--zero/--sp/--offload), per GPU (rank); every figure is an estimate:
+- the rank's step is measured like the one-GPU step, on its own work: with Ulysses sp it runs S/sp
+  tokens through embedding, norms, MLPs and the LM-head loss, and its attention stand-in does the
+  all-to-alls: it keeps q/k/v for H/sp heads (key/value: H_kv/sp, or one replicated head when
+  H_kv < sp) over all S tokens, their output and log-sum-exp, plus one transient send buffer per
+  all-to-all, and in backward the same for the gradients;
+- states: bf16 weights, optimizer states per --optimizer. ZeRO shards over all --gpus ranks:
+  ZeRO-1 keeps ceil(P/N) parameters' optimizer states, ZeRO-2 also reduce-scatters each gradient
+  as soon as it is accumulated (measured in the step: the full gradient is freed and a 1/N bf16
+  partition kept), ZeRO-3 also keeps only 1/N of the weights and, measured in the step, gathers
+  the full parameters of one module at a time (each module with parameters of its own, like
+  DeepSpeed) for its forward, its recomputation and its backward. Its hooks make the
+  mini-sequence Functions take their checkpointed-chunk path, as under real ZeRO-3;
+- --offload optimizer: the optimizer states (fp32 master weights included with
+  adamw-fp32-master) live in host memory and the step runs there; gradients stay on the GPU as
+  the ZeRO stage shards them;
+- --offload inputs (with checkpointing): each decoder layer's checkpointed input [S/sp, d] goes to
+  host memory in forward; in backward one is on the GPU in use and one more in flight (prefetch);
+- left out as well: DeepSpeed's communication buckets (reduce_bucket_size, stage3 prefetch and
+  max-live-parameters buffers: set them small), NCCL buffers, parameter prefetching beyond one
+  module, pinned-memory staging; host memory counts only offloaded tensors (per GPU: multiply by
+  the GPUs of a node for the node's total), not the processes themselves.
+"""
 ATTENTION = "mst_planner"  # (a name containing "flash" would send upstream looking for a kernel)
 
 
@@ -104,6 +139,196 @@ AttentionInterface.register(ATTENTION, _flash_like_attention)
 AttentionMaskInterface.register(ATTENTION, flash_attention_mask)  # no mask tensor without padding
 
 
+def _send_buffer(tensor):
+    """The transient contiguous copy an all-to-all sends from (allocated, then dropped at once)."""
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+class _UlyssesFlashLikeAttention(torch.autograd.Function):
+    """Memory stand-in for DeepSpeed-Ulysses around a FlashAttention kernel, on one rank of `sp`.
+
+    The rank enters with its S/sp tokens for all heads, query [B, H, S/sp, D] and key/value
+    [B, H_kv, S/sp, D]. An all-to-all turns each into the whole sequence for its share of the
+    heads, [B, H/sp, S, D] (key/value: H_kv/sp heads, or one replicated head when H_kv < sp);
+    the kernel keeps those, its output and a [B, H/sp, S] fp32 log-sum-exp for backward; a
+    second all-to-all returns the output as [B, H, S/sp, D]. Backward mirrors it: the output
+    gradient goes to [B, H/sp, S, D], the kernel makes the three input gradients there, and
+    all-to-alls bring them back to the rank's tokens. Each all-to-all also allocates one
+    transient send buffer of its input's size. Values are meaningless; only allocations matter."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, sp):
+        ctx.sp, ctx.shapes = sp, (query.shape, key.shape)
+        gathered = []
+        for t in (query, key, value):
+            b, h, s, d = t.shape
+            _send_buffer(t)
+            gathered.append(t.new_empty(b, max(h // sp, 1), s * sp, d))
+        q, k, v = gathered
+        out_heads = torch.empty_like(q)
+        logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out_heads, logsumexp)
+        _send_buffer(out_heads)
+        return query.new_empty(query.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _, _ = ctx.saved_tensors
+        _send_buffer(grad_out)
+        grad_heads = torch.empty_like(q)  # the output gradient for this rank's heads, whole sequence
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del grad_heads  # the kernel is done with it
+        query_shape, kv_shape = ctx.shapes
+        grads = []
+        for g, shape in ((dq, query_shape), (dk, kv_shape), (dv, kv_shape)):
+            _send_buffer(g)
+            grads.append(g.new_empty(shape))
+        del dq, dk, dv
+        return (*grads, None)
+
+
+def _ulysses_attention(module, query, key, value, attention_mask, sp, **kwargs):
+    return _UlyssesFlashLikeAttention.apply(query, key, value, sp).transpose(1, 2).contiguous(), None
+
+
+def _attention_name(sp):
+    """The planner's attention for sequence-parallel degree `sp` (registered on first use)."""
+    if sp == 1:
+        return ATTENTION
+    name = f"{ATTENTION}_ulysses{sp}"
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, functools.partial(_ulysses_attention, sp=sp))
+        AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How one training step is spread over GPUs (see MULTI_GPU_ASSUMPTIONS)."""
+
+    gpus: int = 1
+    zero: int = 0
+    sp: int = 1
+    offload: tuple = ()  # subset of OFFLOAD_CHOICES
+
+    @property
+    def single(self):
+        return self == Parallel()
+
+
+def check_parallel(parallel: Parallel, config, granularity: int, optimizer_in_backward: bool):
+    """Raise PlanError naming the setting and what is allowed; called before any measurement."""
+    gpus, zero, sp = parallel.gpus, parallel.zero, parallel.sp
+    if not isinstance(gpus, int) or gpus < 1:
+        raise PlanError(f"--gpus {gpus!r}: must be a positive integer")
+    if zero not in ZERO_STAGES:
+        raise PlanError(f"--zero {zero!r}: allowed {', '.join(map(str, ZERO_STAGES))}")
+    if not isinstance(sp, int) or sp < 1 or gpus % sp:
+        raise PlanError(f"--sp {sp!r}: must be a positive integer dividing --gpus {gpus} "
+                        f"(allowed: {', '.join(str(n) for n in range(1, gpus + 1) if gpus % n == 0)})")
+    unknown = [o for o in parallel.offload if o not in OFFLOAD_CHOICES]
+    if unknown:
+        raise PlanError(f"--offload {' '.join(map(str, unknown))}: allowed {', '.join(OFFLOAD_CHOICES)} (or both)")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % sp:
+        raise PlanError(f"--sp {sp}: Ulysses splits the attention heads over the sp ranks, and {heads} query heads "
+                        f"are not divisible by {sp} (allowed sp: divisors of {heads} that divide --gpus {gpus})")
+    if kv_heads % sp and sp % kv_heads:
+        raise PlanError(f"--sp {sp}: {kv_heads} key/value heads can neither be split over {sp} ranks nor "
+                        f"replicated evenly (sp must divide, or be a multiple of, the key/value heads)")
+    if granularity % sp:
+        raise PlanError(f"--granularity {granularity}: must be a multiple of --sp {sp} (each rank holds S/sp tokens)")
+    if optimizer_in_backward and zero:
+        raise PlanError(f"--optimizer-in-backward with --zero {zero}: ZeRO applies the optimizer to its shards "
+                        f"after the step; allowed only with --zero 0")
+
+
+class _StepHooks:
+    """Per-rank work the planner adds to a fake step for ZeRO-2/3 and layer-input offload."""
+
+    def __init__(self, parallel):
+        self.parallel = parallel
+        self.grad_shards = []  # ZeRO-2/3: this rank's 1/N partition of each reduced gradient
+        self.gathered_forward = None  # ZeRO-3: the full parameters of the module running forward
+        self.gathered_backward = (None, None)  # ZeRO-3: (module, full parameters) of the module in backward
+        self.host_bytes = 0  # layer inputs in host memory now
+        self.host_peak_bytes = 0
+
+    def shard_gradient(self, param):
+        # ZeRO-2/3: the full gradient is reduce-scattered and freed; this rank keeps its partition.
+        self.grad_shards.append(param.grad.new_empty(math.ceil(param.numel() / self.parallel.gpus)))
+        param.grad = None
+
+    def gather_for_forward(self, module, args):
+        if self.gathered_backward[0] is not module:  # still gathered if its backward began (recompute)
+            self.gathered_forward = _gather(module)
+
+    def release_after_forward(self, module, args, output):
+        self.gathered_forward = None
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            return _GatherInBackward.apply(output, self, module)
+        return output
+
+
+def _gather(module):
+    """A buffer of the bytes of `module`'s own parameters in full (what a ZeRO-3 all-gather fills)."""
+    nbytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return next(module.parameters(recurse=False)).new_empty(nbytes, dtype=torch.uint8)
+
+
+class _GatherInBackward(torch.autograd.Function):
+    """Identity; when the gradient reaches the module's output (its backward starts), the module's
+    parameters are gathered again and those of the module before it in backward are released."""
+
+    @staticmethod
+    def forward(ctx, output, hooks, module):
+        ctx.hooks, ctx.module = hooks, module
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hooks = ctx.hooks
+        if hooks.gathered_backward[0] is not ctx.module:
+            hooks.gathered_backward = (None, None)  # release first, as the previous module's backward is done
+            hooks.gathered_backward = (ctx.module, _gather(ctx.module))
+        return grad, None, None
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    """Gradient checkpointing of one decoder layer whose input moves to host memory in forward.
+
+    Forward runs the layer without keeping anything on the GPU (the input [S/sp, d] goes to the
+    host); backward brings it back (one buffer in use, one more in flight for the layer before:
+    prefetch), recomputes the layer and backpropagates through it, parameters' gradients included."""
+
+    @staticmethod
+    def forward(ctx, hooks, run, hidden):
+        ctx.hooks, ctx.run, ctx.meta = hooks, run, (hidden.shape, hidden.dtype)
+        ctx.nbytes = hidden.numel() * hidden.element_size()
+        hooks.host_bytes += ctx.nbytes
+        hooks.host_peak_bytes = max(hooks.host_peak_bytes, hooks.host_bytes)
+        return run(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype = ctx.meta
+        hidden = grad.new_empty(shape, dtype=dtype).requires_grad_()  # copied back from the host
+        prefetch = grad.new_empty(shape, dtype=dtype)  # noqa: F841  (the previous layer's input, in flight)
+        ctx.hooks.host_bytes -= ctx.nbytes
+        with torch.enable_grad():
+            out = ctx.run(hidden)
+        torch.autograd.backward(out, grad)
+        return None, None, hidden.grad
+
+
+def _offloaded_checkpoint(hooks, function, *args):
+    """Stand-in for a layer's `_gradient_checkpointing_func`: args is (hidden_states,)."""
+    if len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        raise PlanError("layer-input offload expects a decoder layer called with hidden_states only")
+    return _OffloadedCheckpoint.apply(hooks, function, args[0])
+
+
 def load_config(model: str):
     """A built-in name or a local config.json (file or checkpoint folder) of a supported family."""
     if model in BUILTIN:
@@ -123,22 +348,34 @@ def load_config(model: str):
 
 
 class Planner:
-    def __init__(self, config, optimizer="adamw", optimizer_in_backward=False):
+    def __init__(self, config, optimizer="adamw", optimizer_in_backward=False, parallel=None, granularity=1024):
         if optimizer not in OPTIMIZER_STATE_BYTES:
             raise PlanError(f"--optimizer {optimizer!r}: allowed {', '.join(OPTIMIZER_STATE_BYTES)}")
+        self.parallel = parallel = parallel or Parallel()
+        check_parallel(parallel, config, granularity, optimizer_in_backward)
         self.config = config
-        self._peaks = {}  # (method, seq_len) -> peak bytes, resident included
+        self._peaks = {}  # (method, seq_len) -> peak bytes per GPU, resident included
+        self._host = {}  # (method, seq_len) -> host bytes per GPU (offloaded layer inputs at their peak)
         self.optimizer = optimizer
         self.optimizer_in_backward = optimizer_in_backward
         with FakeTensorMode():
-            self.num_params = sum(p.numel() for p in self._build(None, False).parameters())
+            self.num_params = sum(p.numel() for p in self._build(None, False)[0].parameters())
         # Weights (bf16) and optimizer states exist before a step; gradients are counted in it.
-        self.resident_bytes = self.num_params * (2 + OPTIMIZER_STATE_BYTES[optimizer])
+        # Per GPU: ZeRO-1 keeps 1/N of the optimizer states, ZeRO-3 also 1/N of the weights (its
+        # gathered working set is measured in the step, as are gradients: ZeRO-2/3 shard them there).
+        n = parallel.gpus
+        weights = 2 * (math.ceil(self.num_params / n) if parallel.zero >= 3 else self.num_params)
+        states = OPTIMIZER_STATE_BYTES[optimizer] * (math.ceil(self.num_params / n) if parallel.zero >= 1 else self.num_params)
+        self.host_state_bytes = states if "optimizer" in parallel.offload else 0
+        self.resident_bytes = weights + states - self.host_state_bytes
+        # Gradients per GPU when all exist at once (for the "cannot hold even the weights" check).
+        self.gradient_bytes = 0 if optimizer_in_backward else 2 * (
+            math.ceil(self.num_params / n) if parallel.zero >= 2 else self.num_params)
 
     def _build(self, chunk, checkpointing):
         # use_cache=False: training keeps no KV cache (checkpointing would turn it off with a warning).
         config = self.config.__class__(**{**self.config.to_dict(), "mini_sequence_chunk": chunk, "use_cache": False})
-        config._attn_implementation = ATTENTION
+        config._attn_implementation = _attention_name(self.parallel.sp)
         # bf16 whatever dtype the config.json names (from_config would otherwise follow config.dtype).
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.train()
@@ -147,17 +384,34 @@ class Planner:
         if self.optimizer_in_backward:
             for p in model.parameters():  # applied, then freed, as soon as it is accumulated
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        return model
+        hooks = _StepHooks(self.parallel)
+        if self.parallel.zero >= 2:
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(hooks.shard_gradient)
+        if self.parallel.zero >= 3:  # like DeepSpeed: every module with parameters of its own
+            for module in model.modules():
+                if next(module.parameters(recurse=False), None) is not None:
+                    module.register_forward_pre_hook(hooks.gather_for_forward)
+                    module.register_forward_hook(hooks.release_after_forward)
+        if checkpointing and "inputs" in self.parallel.offload:
+            layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+            if not layers:
+                raise PlanError(f"{type(model).__name__}: no checkpointed decoder layers found for --offload inputs")
+            for layer in layers:
+                layer._gradient_checkpointing_func = functools.partial(_offloaded_checkpoint, hooks)
+        return model, hooks
 
     def step_peak_bytes(self, method, seq_len, fake=True):
-        """Peak live bytes allocated by one forward + backward at `seq_len` (fake tensors unless
-        fake=False, which runs the same step for real: the tests compare the two)."""
+        """Peak live bytes allocated on one GPU by one forward + backward at `seq_len` tokens (the
+        rank runs seq_len / sp of them; fake tensors unless fake=False, which runs the same step
+        for real: the tests compare the two)."""
         chunk, checkpointing = METHODS[method]
         with FakeTensorMode() if fake else contextlib.nullcontext():
-            model = self._build(chunk, checkpointing)
-            ids = torch.zeros(1, seq_len, dtype=torch.long)
+            model, hooks = self._build(chunk, checkpointing)
+            ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
             with LiveTensorTracker(keep_largest=0) as tracker:
                 model(input_ids=ids, labels=ids).loss.backward()
+        self._host[(method, seq_len)] = hooks.host_peak_bytes
         return tracker.peak_bytes
 
     def peak_bytes(self, method, seq_len):
@@ -167,9 +421,16 @@ class Planner:
             self._peaks[key] = self.resident_bytes + self.step_peak_bytes(method, seq_len)
         return self._peaks[key]
 
+    def host_bytes(self, method, seq_len):
+        """Host memory per GPU: offloaded optimizer states + offloaded layer inputs at their peak."""
+        self.peak_bytes(method, seq_len)
+        return self.host_state_bytes + self._host[(method, seq_len)]
+
     def max_seq_len(self, method, budget_bytes, granularity=1024, limit=1 << 22):
-        """Largest multiple of `granularity` (<= `limit`) whose peak fits; 0 if not even one fits."""
-        return search_max_fitting(lambda s: self.peak_bytes(method, s), budget_bytes, granularity, limit)
+        """Largest multiple of `granularity` (<= `limit` tokens per rank, i.e. limit * sp in all)
+        whose peak fits; 0 if not even one fits."""
+        return search_max_fitting(lambda s: self.peak_bytes(method, s), budget_bytes, granularity,
+                                  limit * self.parallel.sp)
 
 
 def search_max_fitting(peak, budget, granularity, limit):
@@ -213,20 +474,31 @@ def search_max_fitting(peak, budget, granularity, limit):
         prev, s = s, min(max(guess, lo + g), upper)
 
 
-def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024):
+def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024,
+         gpus=1, zero=0, sp=1, offload=(), methods=None):
+    parallel = Parallel(gpus, zero, sp, tuple(offload))
+    methods = list(METHODS) if methods is None else list(methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise PlanError(f"--methods {' '.join(unknown)}: allowed {', '.join(METHODS)}")
     config = load_config(model)
     if gpu_memory_gib <= 0:
         raise PlanError(f"--gpu-memory-gib must be positive, got {gpu_memory_gib}")
     if granularity <= 0:
         raise PlanError(f"--granularity must be a positive number of tokens, got {granularity}")
-    planner = Planner(config, optimizer, optimizer_in_backward)
+    check_parallel(parallel, config, granularity, optimizer_in_backward)  # before any measurement
+    planner = Planner(config, optimizer, optimizer_in_backward, parallel, granularity)
     budget = int(gpu_memory_gib * GIB)
-    gradients = 0 if optimizer_in_backward else 2 * planner.num_params
-    if planner.resident_bytes + gradients > budget:
+    state = planner.resident_bytes + planner.gradient_bytes
+    settings = f"--optimizer {optimizer}{' --optimizer-in-backward' if optimizer_in_backward else ''}"
+    if not parallel.single:
+        settings += (f" --gpus {gpus} --zero {zero} --sp {sp}"
+                     + (f" --offload {' '.join(parallel.offload)}" if parallel.offload else ""))
+    if state > budget:
         raise PlanError(
             f"{gpu_memory_gib} GiB cannot hold even the weights, gradients and optimizer states of {model} "
-            f"({planner.num_params / 1e9:.2f}B parameters: {(planner.resident_bytes + gradients) / GIB:.1f} GiB "
-            f"with --optimizer {optimizer}{' --optimizer-in-backward' if optimizer_in_backward else ''})"
+            f"({planner.num_params / 1e9:.2f}B parameters: {state / GIB:.1f} GiB{' per GPU' if gpus > 1 else ''} "
+            f"with {settings})"
         )
     result = {"model": model, "parameters": planner.num_params, "gpu_memory_gib": gpu_memory_gib,
               "optimizer": optimizer, "optimizer_in_backward": optimizer_in_backward,
@@ -234,16 +506,23 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
               "measured_on": "FakeTensorMode on the CPU device, standing in for the GPU (a fake cuda device "
                              "crashes the CPU build of torch)",
               "max_seq_len": {}, "peak_gib_at_max": {}}
-    for method in METHODS:
+    if not parallel.single:
+        result.update(gpus=gpus, zero=zero, sp=sp, offload=list(parallel.offload),
+                      host_state_gib=round(planner.host_state_bytes / GIB, 2), host_gib_at_max={})
+    for method in methods:
         seq = planner.max_seq_len(method, budget, granularity)
         result["max_seq_len"][method] = seq
         result["peak_gib_at_max"][method] = round(planner.peak_bytes(method, seq) / GIB, 2) if seq else None
+        if not parallel.single:
+            result["host_gib_at_max"][method] = round(planner.host_bytes(method, seq) / GIB, 2) if seq else None
     if not any(result["max_seq_len"].values()):
         raise PlanError(
             f"{gpu_memory_gib} GiB holds the weights, gradients and optimizer states of {model} "
-            f"({(planner.resident_bytes + gradients) / GIB:.1f} GiB) but no method fits even {granularity} tokens"
+            f"({state / GIB:.1f} GiB) but no method fits even {granularity} tokens"
         )
     result["assumptions"] = __doc__.split("Assumptions (printed with every result):\n")[1].strip()
+    if not parallel.single:
+        result["assumptions"] += "\n" + MULTI_GPU_ASSUMPTIONS.strip()
     return result
 
 
@@ -251,27 +530,49 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m transformers.mini_sequence.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"{', '.join(BUILTIN)}, or a local config.json path")
-    parser.add_argument("--gpu-memory-gib", type=float, required=True)
+    parser.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of each GPU")
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATE_BYTES))
     parser.add_argument("--optimizer-in-backward", action="store_true")
     parser.add_argument("--granularity", type=int, default=1024, help="sequence lengths searched are multiples of this")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) in the run; ZeRO shards over all of them")
+    parser.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
+                        help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters")
+    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (divides --gpus and the heads)")
+    parser.add_argument("--offload", nargs="+", default=[], choices=OFFLOAD_CHOICES,
+                        help="keep in host memory: optimizer states, checkpointed layer inputs, or both")
+    parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
+                        help="plan only these methods (default: all; each long search costs minutes)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
-        result = plan(args.model, args.gpu_memory_gib, args.optimizer, args.optimizer_in_backward, args.granularity)
+        result = plan(args.model, args.gpu_memory_gib, args.optimizer, args.optimizer_in_backward, args.granularity,
+                      args.gpus, args.zero, args.sp, args.offload, args.methods)
     except PlanError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{args.model}: {result['parameters'] / 1e9:.2f}B parameters, {args.gpu_memory_gib} GiB, optimizer "
+    multi = "gpus" in result
+    print(f"{args.model}: {result['parameters'] / 1e9:.2f}B parameters, {args.gpu_memory_gib} GiB"
+          f"{' per GPU' if multi else ''}, optimizer "
           f"{args.optimizer}{' in backward' if args.optimizer_in_backward else ''}; weights + optimizer states "
-          f"{result['resident_gib']} GiB (fake-tensor estimate on CPU)\n")
-    print(f"{'method':<30}{'max seq len':>12}{'peak (GiB)':>12}")
+          f"{result['resident_gib']} GiB{' per GPU' if multi else ''} (fake-tensor estimate on CPU)")
+    if multi:
+        print(f"{args.gpus} GPUs, ZeRO-{args.zero}, Ulysses sp={args.sp}, offload: "
+              f"{' + '.join(result['offload']) or 'none'}; host memory per GPU holds {result['host_state_gib']} GiB "
+              f"of optimizer states before layer inputs; sequence lengths are the whole sequence "
+              f"(each GPU of an sp group runs 1/{args.sp} of it)")
+    print()
+    host_header = f"{'host/GPU (GiB)':>16}" if multi else ""
+    print(f"{'method':<30}{'max seq len':>12}{'peak/GPU (GiB)' if multi else 'peak (GiB)':>{16 if multi else 12}}{host_header}")
     for method, seq in result["max_seq_len"].items():
         peak = result["peak_gib_at_max"][method]
         shown = seq if seq else f"< {args.granularity}"  # 0: not even one granule fits
-        print(f"{method:<30}{shown:>12}{peak if peak is not None else '-':>12}")
+        line = f"{method:<30}{shown:>12}{peak if peak is not None else '-':>{16 if multi else 12}}"
+        if multi:
+            host = result["host_gib_at_max"][method]
+            line += f"{host if host is not None else '-':>16}"
+        print(line)
     print("\nAssumptions:\n" + result["assumptions"])
 
 
