@@ -22,13 +22,14 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 # name -> spec; each case runs in one process (reference) and under sp=2 with both ZeRO stages.
 CASES = {
     "window": "family=mistral,case=window",  # sliding_window=8, 32 tokens: 16 per rank
+    "qwen2_window": "family=qwen2,case=window",  # use_sliding_window: layer 0 full, layer 1 sliding (8)
     "packed": "family=llama,case=packed",  # three documents per row, position_ids restarting
     "padding": "family=llama,case=padding",  # 2D attention_mask, right padding
 }
 # mini_sequence_chunk=4 (flag on) in one ZeRO stage, unset in the other, per case.
 SP_RUNS = {
-    2: {"window": "", "packed": ",chunk=4", "padding": ""},
-    3: {"window": ",chunk=4", "packed": "", "padding": ",chunk=4"},
+    2: {"window": "", "qwen2_window": ",chunk=4", "packed": ",chunk=4", "padding": ""},
+    3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4"},
 }
 
 

@@ -58,8 +58,10 @@ def train(spec, sp, workdir):
     from tiny_models import make_model
 
     overrides = {"mini_sequence_chunk": spec["chunk"], "attn_implementation": spec["attn"]}
-    if spec["family"] == "mistral":
+    if spec["family"] in ("mistral", "gemma2"):  # gemma2: every other layer slides
         overrides["sliding_window"] = 8  # smaller than the sequence and than each rank's shard
+    if spec["family"] == "qwen2":  # sliding layers from layer 1 on
+        overrides.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
     if spec["family"] == "qwen3":  # a family outside the four: Ulysses must refuse it
         torch.manual_seed(0)
         config = transformers.Qwen3Config(
