@@ -1,0 +1,190 @@
+"""Exact attention masks under DeepSpeed-Ulysses sequence parallelism.
+
+DeepSpeed's `UlyssesSPAttentionHF.register_with_transformers` (what accelerate's
+`ParallelismConfig(sp_backend="deepspeed")` calls) puts a wrapper in place of the model's core
+attention function: an all-to-all turns each rank's [local sequence, all heads] into [whole
+sequence, H/sp heads], the core attention runs, and a second all-to-all turns it back. The mask
+the model built is for the local shard, so DeepSpeed drops it and the core sees `None`: plain
+causal attention. Sliding windows, 2D padding and packed sequences (position_ids restarting)
+are then silently ignored.
+
+Here, when DeepSpeed registers its wrapper (`AttentionInterface.__setitem__`, patched), we
+1. register for the same attention implementation a mask function that, instead of building a
+   mask for the local shard, returns a `UlyssesMask`: the local 2D padding mask (or None, which
+   decides packed-sequence detection exactly as upstream);
+2. replace DeepSpeed's outer wrapper by one that keeps that object (DeepSpeed's own module does
+   the all-to-alls and already all-gathers position_ids);
+3. wrap DeepSpeed's core function: after the all-to-all it rebuilds the mask of the whole
+   sequence with the model's own mask function (`create_causal_mask` or
+   `create_sliding_window_causal_mask`, chosen as the attention module does through its
+   `sliding_window`), from the gathered position_ids and the gathered padding mask. The mask is
+   built once per forward and mask kind, and, for sdpa, stays `None` (is_causal) when the whole
+   sequence is plain causal, as upstream.
+Anything we cannot rebuild raises a ValueError naming the setting, before an optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Model types whose masks are exactly create_causal_mask / create_sliding_window_causal_mask of
+# (config, padding mask, position_ids), chosen by the attention module's `sliding_window`.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
+
+_rebuilding = False  # True while we call the model's mask function ourselves
+
+
+class UlyssesMask:
+    """Stands in for the 4D mask of one forward: what is needed to rebuild it for the whole sequence."""
+
+    def __init__(self, padding, q_length):
+        self.padding = padding  # the local [batch, local_len] bool padding mask, or None (no 2D mask given)
+        self.q_length = q_length  # local sequence length
+        self._full_padding = None
+        self._built = {}
+
+    # Code that only inspects a mask's shape or device (none of the four families does) fails loudly.
+    def __repr__(self):
+        return f"UlyssesMask(local_len={self.q_length}, padding={'yes' if self.padding is not None else 'no'})"
+
+    def build(self, module, query, kwargs, uattn):
+        global _rebuilding
+        from ..masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        config = module.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"Ulysses sequence parallelism (sp_size={uattn.world_size}): transformers-mst rebuilds the attention "
+                f"mask of the whole sequence only for model_type in {SUPPORTED_MODEL_TYPES}; got {model_type!r}, "
+                "whose mask it cannot reproduce exactly. Train it without sequence parallelism."
+            )
+        q_len = query.shape[-2]
+        gathered = q_len != self.q_length
+        if gathered and q_len != self.q_length * uattn.world_size:
+            raise ValueError(
+                f"Ulysses: query length {q_len} after the all-to-all is neither the local length {self.q_length} "
+                f"nor {uattn.world_size} x it (sp_size={uattn.world_size})"
+            )
+        window = kwargs.get("sliding_window")
+        if window is not None and window != getattr(config, "sliding_window", None):
+            raise ValueError(f"Ulysses: attention sliding_window={window} differs from config.sliding_window")
+        key = (gathered, window is not None)
+        if key not in self._built:
+            padding = self.padding
+            if gathered and padding is not None:
+                padding = self._gather_padding(uattn)
+            position_ids = kwargs.get("position_ids")
+            mask_function = create_sliding_window_causal_mask if window is not None else create_causal_mask
+            # Only the shape, dtype and device of inputs_embeds are read.
+            shape_only = query.new_empty((query.shape[0], q_len, 0))
+            _rebuilding = True
+            try:
+                self._built[key] = mask_function(
+                    config=config,
+                    inputs_embeds=shape_only,
+                    attention_mask=padding,
+                    past_key_values=None,
+                    position_ids=position_ids,
+                )
+            finally:
+                _rebuilding = False
+        return self._built[key]
+
+    def _gather_padding(self, uattn):
+        if self._full_padding is None:
+            local = self.padding.to(torch.int64).contiguous()  # gloo has no bool all_gather
+            parts = [torch.empty_like(local) for _ in range(uattn.world_size)]
+            torch.distributed.all_gather(parts, local, group=uattn.process_group)
+            self._full_padding = torch.cat(parts, dim=1).to(torch.bool)
+        return self._full_padding
+
+
+def _ulysses_mask_function(original):
+    """The mask function registered under Ulysses: returns a UlyssesMask instead of a local 4D mask."""
+
+    def mask_function(*args, **kwargs):
+        if _rebuilding:
+            return original(*args, **kwargs)
+        q_length, kv_length = kwargs["q_length"], kwargs["kv_length"]
+        if kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0 or kv_length != q_length:
+            raise ValueError(
+                "Ulysses sequence parallelism: a key/value cache (past_key_values) is not supported while "
+                "training with sp_size > 1"
+            )
+        return UlyssesMask(kwargs.get("attention_mask"), q_length)
+
+    mask_function._mst_original = original
+    return mask_function
+
+
+def _core_attention(original, uattn):
+    """Runs after DeepSpeed's all-to-all: the whole sequence, H/sp heads, gathered position_ids."""
+
+    def core(module, query, key, value, attention_mask, *args, **kwargs):
+        if isinstance(attention_mask, UlyssesMask):
+            attention_mask = attention_mask.build(module, query, kwargs, uattn)
+        elif attention_mask is not None:
+            raise ValueError(
+                f"Ulysses sequence parallelism (sp_size={uattn.world_size}) got a ready-made attention mask of "
+                f"type {type(attention_mask).__name__}; it was built for one rank's shard and cannot be rebuilt "
+                "for the whole sequence. Pass a 2D attention_mask (padding) and position_ids instead."
+            )
+        else:
+            raise ValueError(
+                f"Ulysses sequence parallelism (sp_size={uattn.world_size}): the model passed no attention mask, "
+                f"so transformers-mst cannot rebuild it for the whole sequence (attn_implementation="
+                f"{uattn.core_attn_implementation!r}). Use attn_implementation 'sdpa', 'flash_attention_2', "
+                "'flash_attention_3' or 'flex_attention'."
+            )
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    core._mst_original = original
+    return core
+
+
+def _closure_vars(function):
+    names = function.__code__.co_freevars
+    return {name: cell.cell_contents for name, cell in zip(names, function.__closure__ or ())}
+
+
+def is_deepspeed_ulysses_wrapper(value) -> bool:
+    return getattr(value, "__qualname__", "").startswith("UlyssesSPAttentionHF.register_with_transformers")
+
+
+def wrap_registered_attention(key, value):
+    """Called by AttentionInterface.__setitem__: returns what to register under `key` instead of `value`.
+
+    Anything but DeepSpeed's Ulysses wrapper passes unchanged (upstream behaviour).
+    """
+    if not is_deepspeed_ulysses_wrapper(value):
+        return value
+    from ..masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    uattn = _closure_vars(value).get("uattn")
+    if uattn is None or not hasattr(uattn, "attn") or not hasattr(uattn, "process_group"):
+        raise ValueError(
+            "transformers-mst cannot find the UlyssesSPAttentionHF module inside DeepSpeed's attention wrapper "
+            "(DeepSpeed version not supported: tested with deepspeed 0.19.8); without it the attention masks "
+            "(sliding window, padding, packed sequences) would be silently dropped under sequence parallelism"
+        )
+    if key not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        raise ValueError(
+            f"Ulysses sequence parallelism with attn_implementation={key!r}: transformers has no mask function for "
+            "it, so transformers-mst cannot rebuild the attention mask of the whole sequence. Use 'sdpa', "
+            "'flash_attention_2', 'flash_attention_3' or 'flex_attention'."
+        )
+    # A second registration in the same process wraps what the first left behind: start again from the
+    # original core attention function.
+    core = uattn.attn
+    while hasattr(core, "_mst_original"):
+        core = core._mst_original
+    uattn.attn = _core_attention(core, uattn)
+    ALL_MASK_ATTENTION_FUNCTIONS[key] = _ulysses_mask_function(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[key])
+
+    def ulysses_attention(module, query, key_states, value_states, attention_mask, *args, **kwargs):
+        # DeepSpeed's wrapper would drop attention_mask here; our core function rebuilds it.
+        return uattn(module, query, key_states, value_states, attention_mask, *args, **kwargs)
+
+    ulysses_attention._mst_original = core
+    return ulysses_attention

@@ -1,0 +1,152 @@
+"""Ranks of short Trainer runs under DeepSpeed (CPU, gloo), optionally with Ulysses sequence parallelism.
+
+Run by tests/test_ulysses.py through `torchrun --nproc_per_node N` with DS_ACCELERATOR=cpu:
+`--sp 1` under one process is the reference, `--sp 2` under two processes the Ulysses run. Each
+`--spec NAME:KEY=VALUE,...` is one Trainer run (keys: family, case, zero, chunk, attn, seq, steps),
+run one after the other in the same processes to save start-up time. A run that raises records
+its error message instead of losses. Rank 0 writes {NAME: {"loss": [...], "grad_norm": [...]} or
+{"error": "..."}} as JSON to --out.
+"""
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+DEFAULTS = dict(family="mistral", case="window", zero=2, chunk=None, attn="sdpa", seq=32, steps=3)
+
+
+def samples(case, seq, n, vocab, seed=1):
+    """n samples of seq tokens: input_ids, labels, position_ids (+ attention_mask for padding)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(1, vocab, (seq,), generator=g)
+        sample = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq)}
+        if case == "packed":  # three documents per row; positions restart at each boundary
+            cuts = [0, seq // 3 + i, 2 * seq // 3, seq]
+            sample["position_ids"] = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])
+        elif case == "padding":  # right padding, a different length per row
+            keep = seq - 5 - 2 * i
+            mask = (torch.arange(seq) < keep).long()
+            sample["attention_mask"] = mask
+            sample["labels"] = ids.masked_fill(mask == 0, -100)
+        elif case != "window":
+            raise ValueError(f"case={case!r}")
+        out.append(sample)
+    return out
+
+
+def parse_run(text):
+    name, _, rest = text.partition(":")
+    spec = dict(DEFAULTS)
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in spec:
+            raise ValueError(f"unknown key {key!r} in --spec {text!r}")
+        spec[key] = value if key in ("family", "case", "attn") else int(value)
+    return name, spec
+
+
+def train(spec, sp, workdir):
+    import transformers
+    from tiny_models import make_model
+
+    overrides = {"mini_sequence_chunk": spec["chunk"], "attn_implementation": spec["attn"]}
+    if spec["family"] in ("mistral", "gemma2"):  # gemma2: every other layer slides
+        overrides["sliding_window"] = 8  # smaller than the sequence and than each rank's shard
+    if spec["family"] == "qwen2":  # sliding layers from layer 1 on
+        overrides.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    if spec["family"] == "qwen3":  # a family outside the four: Ulysses must refuse it
+        torch.manual_seed(0)
+        config = transformers.Qwen3Config(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, attn_implementation=spec["attn"],
+        )
+        model = transformers.Qwen3ForCausalLM(config)
+    else:
+        model = make_model(spec["family"], seed=0, **overrides)
+    model.config.use_cache = False
+
+    ds_config = {
+        "zero_optimization": {"stage": spec["zero"]},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+    extra = {}
+    if sp > 1:
+        from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+
+        extra["parallelism_config"] = ParallelismConfig(
+            sp_backend="deepspeed",
+            sp_size=sp,
+            sp_handler=DeepSpeedSequenceParallelConfig(
+                sp_seq_length_is_variable=True, sp_attn_implementation=spec["attn"]
+            ),
+        )
+    args = transformers.TrainingArguments(
+        output_dir=workdir,
+        per_device_train_batch_size=1,
+        max_steps=spec["steps"],
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        deepspeed=ds_config,
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        **extra,
+    )
+    data = samples(spec["case"], spec["seq"], 8, model.config.vocab_size)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, data_collator=transformers.default_data_collator
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h.get("grad_norm") for h in logs]}
+
+
+def reset_between_runs():
+    """Let the next Trainer set up accelerate and DeepSpeed's sequence-parallel groups afresh."""
+    from accelerate.state import AcceleratorState
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    AcceleratorState._reset_state(True)
+    parallel_state_sp._release_sequence_parallel_groups()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sp", type=int, default=1)
+    p.add_argument("--spec", action="append", required=True, help="NAME:key=value,...")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # accelerate leaves DeepSpeed's comm uninitialized on CPU
+    results = {}
+    for text in args.spec:
+        name, spec = parse_run(text)
+        try:
+            results[name] = train(spec, args.sp, os.path.join(os.path.dirname(os.path.abspath(args.out)), name))
+        except Exception as e:  # recorded: the error cases are expected to raise before any step
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        reset_between_runs()
+        print(f"RESULT {name} {json.dumps(results[name])}", flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
