@@ -17,8 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-import transformers
-from trainer_run import CHUNK, COMMON, FAMILIES, dataset
+from trainer_run import CHUNK, FAMILIES, build_model, dataset
 
 STEPS, ACCUMULATION, MICRO_BATCH = 3, 2, 2
 
@@ -89,14 +88,11 @@ WRAPPERS = {
 
 def train(family, chunk, wrapper):
     wrap, full_state = WRAPPERS[wrapper]
-    config_class, extra = FAMILIES[family]
-    config = config_class(**COMMON, **extra, mini_sequence_chunk=chunk)
-    torch.manual_seed(0)
-    model = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))(config)
+    model = build_model(family, chunk)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model = wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    rows = dataset(config.vocab_size)
+    rows = dataset(model.config.vocab_size)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, gathers = [], []
     for step in range(STEPS):

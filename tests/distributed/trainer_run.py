@@ -13,23 +13,16 @@ import os
 import sys
 import tempfile
 
-import torch
-import transformers
-from transformers import Trainer, TrainingArguments
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from tiny_models import make_model  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
 SEQ = 48
-FAMILIES = {
-    "llama": (
-        transformers.LlamaConfig,
-        dict(tie_word_embeddings=True),
-    ),
-    "mistral": (
-        transformers.MistralConfig,
-        dict(sliding_window=8),
-    ),
-}
-COMMON = dict(vocab_size=320, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, use_cache=False)
+# Per family, on top of tests/tiny_models.py: Llama with tied embeddings; Mistral with a sliding
+# window shorter than the sequence.
+FAMILIES = {"llama": dict(tie_word_embeddings=True), "mistral": dict(sliding_window=8)}
 CHUNK = 7  # mini-sequences of 7 tokens: does not divide the 2 x 48 tokens of a micro-batch
 
 
@@ -88,12 +81,13 @@ def dataset(vocab_size):
     return rows
 
 
+def build_model(family, chunk):
+    return make_model(family, seed=0, mini_sequence_chunk=chunk, use_cache=False, **FAMILIES[family])
+
+
 def train(family, chunk, wrapper_name, workdir):
     wrapper_args = WRAPPERS[wrapper_name]
-    config_class, extra = FAMILIES[family]
-    config = config_class(**COMMON, **extra, mini_sequence_chunk=chunk)
-    torch.manual_seed(0)
-    model = getattr(transformers, config_class.__name__.replace("Config", "ForCausalLM"))(config)
+    model = build_model(family, chunk)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     args = TrainingArguments(
         output_dir=workdir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
@@ -101,7 +95,7 @@ def train(family, chunk, wrapper_name, workdir):
         save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, use_cpu=True,
         **wrapper_args,
     )
-    trainer = RecordingTrainer(model=model, args=args, train_dataset=dataset(config.vocab_size))
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=dataset(model.config.vocab_size))
     trainer.train()
     wrapped = type(trainer.model_wrapped).__name__
     if wrapped != EXPECTED_WRAPPER[wrapper_name]:

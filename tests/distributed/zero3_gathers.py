@@ -9,15 +9,20 @@ gathers are counted in fsdp_run.py.
 """
 
 import json
+import os
 import sys
 from collections import Counter
 
-import torch
-import torch.distributed as dist
-import transformers
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-CONFIG = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+from tiny_models import make_config  # noqa: E402
+
+# The tiny Llama, with sizes that make the LM head's weight shape (1000x64) unique.
+SIZES = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, use_cache=False,
+             pad_token_id=None)  # a padding_idx row cannot be zeroed inside zero.Init (partitioned weight)
 SEQ, STEPS = 64, 2
 
 
@@ -49,7 +54,7 @@ def zero3_run(chunk):
     model_class = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = model_class(transformers.LlamaConfig(**CONFIG, mini_sequence_chunk=chunk))
+        model = model_class(make_config("llama", **SIZES, mini_sequence_chunk=chunk))
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
     for step in range(STEPS):
         counts.clear()
@@ -61,7 +66,7 @@ def zero3_run(chunk):
 
 
 def ids():
-    return torch.randint(0, CONFIG["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, SIZES["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1))
 
 
 def report(chunk, step, loss, lm_head_grad_norm, gathers):

@@ -486,7 +486,6 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
         raise PlanError(f"--gpu-memory-gib must be positive, got {gpu_memory_gib}")
     if granularity <= 0:
         raise PlanError(f"--granularity must be a positive number of tokens, got {granularity}")
-    check_parallel(parallel, config, granularity, optimizer_in_backward)  # before any measurement
     planner = Planner(config, optimizer, optimizer_in_backward, parallel, granularity)
     budget = int(gpu_memory_gib * GIB)
     state = planner.resident_bytes + planner.gradient_bytes

@@ -31,13 +31,20 @@ from torch.nn.modules import module as _module_globals
 from torch.utils.checkpoint import checkpoint
 
 
-def _is_fsdp1_unit(module: torch.nn.Module) -> bool:
-    """An FSDP1 unit gathers its weights in its own forward (no hooks to see) and swaps them in."""
+@functools.cache
+def _fsdp1_class():
+    """torch's FSDP1 module class, imported once on first use (None where distributed is not built)."""
     if not torch.distributed.is_available():
-        return False
+        return None
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return isinstance(module, FullyShardedDataParallel)
+    return FullyShardedDataParallel
+
+
+def _is_fsdp1_unit(module: torch.nn.Module) -> bool:
+    """An FSDP1 unit gathers its weights in its own forward (no hooks to see) and swaps them in."""
+    fsdp1 = _fsdp1_class()
+    return fsdp1 is not None and isinstance(module, fsdp1)
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
