@@ -5,7 +5,12 @@ Importing this package does not import torch: configuration classes import the v
 helpers from ``.config``. The torch-based names are loaded on first access.
 """
 
-from .config import lm_head_chunk_size, mlp_chunk_size, validate_mini_sequence_chunk
+from .config import (
+    lm_head_chunk_size,
+    mlp_chunk_size,
+    validate_mini_sequence_chunk,
+    validate_streaming_backward_chunk,
+)
 
 
 _LAZY = {
@@ -17,6 +22,7 @@ _LAZY = {
 
 __all__ = [
     "validate_mini_sequence_chunk",
+    "validate_streaming_backward_chunk",
     "mlp_chunk_size",
     "lm_head_chunk_size",
     *_LAZY,

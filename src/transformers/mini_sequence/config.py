@@ -18,8 +18,8 @@ FIELD_NAME = "mini_sequence_chunk"
 ALLOWED_DESCRIPTION = 'None, "auto", or a positive int (tokens per mini-sequence)'
 
 
-def validate_mini_sequence_chunk(value):
-    """Return ``value`` unchanged if it is a valid ``mini_sequence_chunk``, else raise ``ValueError``.
+def _validate_chunk_field(field_name: str, value, allowed: str):
+    """Return ``value`` unchanged if it is None, ``"auto"`` or a positive int, else raise ``ValueError``.
 
     ``bool`` is rejected although it subclasses ``int`` (``True`` would silently mean chunks
     of 1 token); floats are rejected even when integral (``4.0``), so that a typo or a
@@ -31,7 +31,21 @@ def validate_mini_sequence_chunk(value):
         return value
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    raise ValueError(f"Invalid `{FIELD_NAME}`={value!r}: expected {ALLOWED_DESCRIPTION}.")
+    raise ValueError(f"Invalid `{field_name}`={value!r}: expected {allowed}.")
+
+
+def validate_mini_sequence_chunk(value):
+    """Return ``value`` unchanged if it is a valid ``mini_sequence_chunk``, else raise ``ValueError``."""
+    return _validate_chunk_field(FIELD_NAME, value, ALLOWED_DESCRIPTION)
+
+
+STREAMING_FIELD_NAME = "streaming_backward_chunk"
+STREAMING_ALLOWED_DESCRIPTION = 'None, "auto", or a positive int (query tokens per streamed chunk)'
+
+
+def validate_streaming_backward_chunk(value):
+    """Return ``value`` unchanged if it is a valid ``streaming_backward_chunk``, else raise ``ValueError``."""
+    return _validate_chunk_field(STREAMING_FIELD_NAME, value, STREAMING_ALLOWED_DESCRIPTION)
 
 
 def mlp_chunk_size(value, hidden_size: int) -> int:

@@ -1,0 +1,480 @@
+"""StreamBP (seed 004, §3.2.2, Fig. 2, App. C): exact streaming backward through a whole decoder layer.
+
+With `config.streaming_backward_chunk` set, a Llama / Mistral / Qwen2 / Gemma-2 decoder layer in
+training keeps only its input for backward (as activation checkpointing does), and its backward
+runs one query chunk at a time:
+
+1. K and V of the whole sequence are computed once (after RoPE, before `repeat_kv`), without graph;
+2. for each query chunk `[start, end)`: norm -> q -> attention against the causal prefix
+   `K/V[kv_start:end]` -> o_proj -> residual -> norm -> MLP is recomputed with grad and that chunk's
+   output gradient is backpropagated; parameter gradients, dK, dV and the input gradient add up;
+3. dK, dV are backpropagated through the K/V projections, RoPE and the input norm, chunk by chunk.
+
+Alive at once: the input, K, V, dK, dV and one chunk's working set (no [B, heads, S, S] scores, no
+full-sequence Q or attention output). The forward runs the same chunks without graph, so forward and
+backward see the same arithmetic. Gradients equal the unsplit layer's to fp32 rounding: attention of
+a query row only reads the keys its mask allows, and the chunk's mask is the exact slice of the full
+mask (or, when the model passed none because the attention is plainly causal, the causal/sliding
+mask built by `masking_utils.sdpa_mask` with the chunk's offsets: SDPA's own `is_causal` aligns the
+mask top-left and would be wrong for every chunk after the first).
+
+When gradient checkpointing is on too, streaming replaces it for these layers (one recompute, not
+two): `modeling_layers.GradientCheckpointingLayer` asks `applies(layer)` first. Eval, generation and
+frozen layers run upstream's forward.
+
+Wrappers: the Function takes the layer's parameters as inputs (DDP, PEFT LoRA, single process).
+When a wrapper may swap the weights at call time (ZeRO-3, FSDP; see wrappers.py) the same chunks run
+under nested non-reentrant checkpointing instead: the layer is checkpointed as a whole, and each
+query chunk inside it, so autograd delivers every gradient the wrapper expects, at the cost of one
+more forward of the chunks.
+"""
+
+import inspect
+import math
+import sys
+
+import torch
+
+from ..utils import logging
+from ._state import (
+    accumulate_grads,
+    capture_autocast_state,
+    capture_rng_state,
+    restore_autocast_state,
+    restore_rng_state,
+)
+from .config import STREAMING_FIELD_NAME, validate_streaming_backward_chunk
+from .wrappers import check_graph_inputs, function_parameters, refuse_create_graph
+
+
+logger = logging.get_logger(__name__)
+
+# Decoder layers we know how to stream, by the module that defines them -> layer layout.
+_LLAMA_LIKE = "pre-norm"  # x + attn(norm(x)), then h + mlp(norm(h))
+_GEMMA2 = "sandwich-norm"  # x + norm(attn(norm(x))), then h + norm(mlp(norm(h)))
+SUPPORTED_LAYERS = {
+    ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer"): _LLAMA_LIKE,
+    ("transformers.models.mistral.modeling_mistral", "MistralDecoderLayer"): _LLAMA_LIKE,
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer"): _LLAMA_LIKE,
+    ("transformers.models.gemma2.modeling_gemma2", "Gemma2DecoderLayer"): _GEMMA2,
+}
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+# "auto" chunk policy (measured, see README "StreamBP"): chunks below this many query tokens cost
+# time (each chunk re-reads the K/V prefix and the layer's weights) for little memory; long sequences
+# use ceil(S / AUTO_NUM_CHUNKS) so the per-chunk working set stays a fraction of the layer input.
+AUTO_MIN_TOKENS = 1024
+AUTO_NUM_CHUNKS = 8
+
+
+def streaming_chunk_size(value, seq_len: int) -> int:
+    """Query tokens per streamed chunk for `streaming_backward_chunk=value` and `seq_len` tokens."""
+    validate_streaming_backward_chunk(value)
+    if value is None:
+        raise ValueError(f"`{STREAMING_FIELD_NAME}` is None: streaming backward is disabled")
+    if value == "auto":
+        return max(AUTO_MIN_TOKENS, math.ceil(seq_len / AUTO_NUM_CHUNKS))
+    return value
+
+
+def _layout(layer):
+    for cls in type(layer).__mro__:  # FSDP2 subclasses the layer class
+        layout = SUPPORTED_LAYERS.get((cls.__module__, cls.__name__))
+        if layout is not None:
+            return cls, layout
+    return None, None
+
+
+def applies(layer) -> bool:
+    """Whether `layer`'s forward should stream (called by GradientCheckpointingLayer for every layer)."""
+    config = getattr(getattr(layer, "self_attn", None), "config", None)
+    if getattr(config, STREAMING_FIELD_NAME, None) is None:
+        return False
+    return layer.training and torch.is_grad_enabled()
+
+
+def _sliding_window(attn):
+    # Qwen2 and Gemma-2 set it per layer type; Mistral applies config.sliding_window to every layer.
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(attn.config, "sliding_window", None)
+
+
+def _rope(states, cos, sin, rotate_half):
+    # The family's apply_rotary_pos_emb, for one tensor (q or k) at a time.
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return states * cos + rotate_half(states) * sin
+
+
+def _allowed(mask_part: torch.Tensor) -> torch.Tensor:
+    """Where a (bool or additive float) mask lets a query see a key."""
+    if mask_part.dtype == torch.bool:
+        return mask_part
+    return mask_part > torch.finfo(mask_part.dtype).min / 2
+
+
+def _mask_allows(mask_part: torch.Tensor) -> bool:
+    return mask_part.numel() > 0 and bool(_allowed(mask_part).any())
+
+
+def _has_blind_row(mask_rows: torch.Tensor) -> bool:
+    """Whether some query row of the mask allows no key at all."""
+    return not bool(_allowed(mask_rows).any(dim=-1).all())
+
+
+class _StreamedLayer:
+    """One call of a decoder layer, split into query chunks: the pieces both paths share."""
+
+    def __init__(self, layer, layout, family_module, hidden_states, attention_mask, position_embeddings, kwargs):
+        attn = layer.self_attn
+        config = attn.config
+        self.layer, self.attn, self.layout = layer, attn, layout
+        self.rotate_half = family_module.rotate_half
+        implementation = config._attn_implementation
+        if implementation not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"{STREAMING_FIELD_NAME} is set but the model uses attn_implementation={implementation!r}; streaming "
+                f"backward runs offset query chunks only with {SUPPORTED_ATTENTION} (flash_attention_2 is not "
+                "supported yet). Load the model with attn_implementation='sdpa' or 'eager', or unset the field."
+            )
+        from ..modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, family_module.eager_attention_forward)
+        if not getattr(attn, "is_causal", True):
+            raise ValueError(
+                f"{STREAMING_FIELD_NAME} needs causal attention (each query chunk reads only earlier keys); "
+                f"{type(attn).__name__} is bidirectional here (use_bidirectional_attention). Unset the field."
+            )
+        if position_embeddings is None:
+            raise ValueError(f"{STREAMING_FIELD_NAME}: the decoder layer was called without position_embeddings.")
+        batch, seq_len = hidden_states.shape[:2]
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: the decoder layer got an attention mask of type "
+                    f"{type(attention_mask).__name__} (shape {getattr(attention_mask, 'shape', None)}); streaming "
+                    "slices a 4D [batch, 1, query, key] mask per chunk and supports no other kind."
+                )
+            if tuple(attention_mask.shape[-2:]) != (seq_len, seq_len):
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: the 4D attention mask covers {tuple(attention_mask.shape[-2:])} "
+                    f"(query, key) positions for a sequence of {seq_len}; a KV cache or prefix is not supported."
+                )
+        self.mask = attention_mask
+        self.cos, self.sin = position_embeddings
+        self.window = _sliding_window(attn)
+        self.batch, self.seq_len = batch, seq_len
+        chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD_NAME), seq_len)
+        self.chunks = [(start, min(start + chunk, seq_len)) for start in range(0, seq_len, chunk)]
+        # What upstream's attention module passes to the attention function besides q, k, v and the mask.
+        self.attention_kwargs = dict(kwargs)
+        self.attention_kwargs.update(
+            dropout=attn.attention_dropout if attn.training else 0.0, scaling=attn.scaling, is_causal=False
+        )
+        if self.window is not None:
+            self.attention_kwargs["sliding_window"] = self.window
+        if getattr(attn, "attn_logit_softcapping", None) is not None:
+            self.attention_kwargs["softcap"] = attn.attn_logit_softcapping
+
+    def _window_start(self, start: int) -> int:
+        """First key a query chunk starting at `start` can see: 0, or the sliding window's first key."""
+        if self.window is None:
+            return 0
+        return max(0, start - self.window + 1)
+
+    def plan_key_ranges(self) -> None:
+        """For each query chunk, the key range [kv_start, kv_end) its attention reads (`self.key_ranges`).
+
+        Normally the causal prefix (from the window's first key under a sliding window). Raises if the
+        model's mask lets a query see a key outside it (a prefix-LM or custom mask): slicing would drop
+        those keys. A chunk holding a query that may see no key at all (a left-padding position) reads the
+        whole sequence with its full mask rows, as upstream does: eager softmax over an all-masked row is
+        uniform over every key, and with left padding the last padding position predicts the first real
+        label, so that value reaches the loss. Reads the mask once, in the forward.
+        """
+        if self.mask is None and self.attn.config._attn_implementation == "eager":
+            # Upstream's eager attention with no mask attends to every key, future ones included.
+            raise ValueError(f"{STREAMING_FIELD_NAME}: eager attention was called without a mask (bidirectional).")
+        self.key_ranges = []
+        for start, end in self.chunks:
+            kv_start = self._window_start(start)
+            if self.mask is None:
+                self.key_ranges.append((kv_start, end))
+                continue
+            rows = self.mask[:, :, start:end]
+            if _mask_allows(rows[..., end:]) or _mask_allows(rows[..., :kv_start]):
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: the attention mask lets query tokens {start}..{end - 1} see keys outside "
+                    f"their causal prefix [{kv_start}, {end}); streaming backward supports causal (and sliding-window) "
+                    "masks only. Unset the field for this model."
+                )
+            if _has_blind_row(rows[..., kv_start:end]):
+                kv_start, end = 0, self.seq_len
+            self.key_ranges.append((kv_start, end))
+
+    def chunk_mask(self, start: int, end: int, kv_start: int, kv_end: int) -> torch.Tensor:
+        if self.mask is not None:
+            return self.mask[:, :, start:end, kv_start:kv_end]
+        from ..masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
+
+        mask_function = causal_mask_function if self.window is None else sliding_window_causal_mask_function(self.window)
+        return sdpa_mask(
+            batch_size=self.batch,
+            q_length=end - start,
+            kv_length=kv_end - kv_start,
+            q_offset=start,
+            kv_offset=kv_start,
+            mask_function=mask_function,
+            allow_is_causal_skip=False,
+            device=self.cos.device,
+        )
+
+    def keys_values(self, x_chunk, start: int, end: int):
+        """K (after RoPE) and V of the tokens `x_chunk` = x[:, start:end], [B, kv_heads, T, head_dim]."""
+        attn = self.attn
+        normed = self.layer.input_layernorm(x_chunk)
+        shape = (*x_chunk.shape[:-1], -1, attn.head_dim)
+        keys = attn.k_proj(normed).view(shape).transpose(1, 2)
+        values = attn.v_proj(normed).view(shape).transpose(1, 2)
+        keys = _rope(keys, self.cos[:, start:end], self.sin[:, start:end], self.rotate_half)
+        return keys, values
+
+    def all_keys_values(self, x):
+        """K and V of the whole sequence, computed chunk by chunk (the same arithmetic and dropout draws as
+        the backward's per-chunk recomputation), written into two preallocated tensors."""
+        keys = values = None
+        for start, end in self.chunks:
+            k, v = self.keys_values(x[:, start:end], start, end)
+            if keys is None:
+                keys = k.new_empty(k.shape[:2] + (self.seq_len,) + k.shape[3:])
+                values = v.new_empty(v.shape[:2] + (self.seq_len,) + v.shape[3:])
+            keys[:, :, start:end].copy_(k)
+            values[:, :, start:end].copy_(v)
+        return keys, values
+
+    def chunk_output(self, x_chunk, keys, values, index: int):
+        """The layer's output rows of chunk `index`, given K/V rows `self.key_ranges[index]`."""
+        start, end = self.chunks[index]
+        layer, attn = self.layer, self.attn
+        normed = layer.input_layernorm(x_chunk)
+        shape = (*x_chunk.shape[:-1], -1, attn.head_dim)
+        queries = attn.q_proj(normed).view(shape).transpose(1, 2)
+        queries = _rope(queries, self.cos[:, start:end], self.sin[:, start:end], self.rotate_half)
+        attn_out, _ = self.attention(
+            attn, queries, keys, values, self.chunk_mask(start, end, *self.key_ranges[index]), **self.attention_kwargs
+        )
+        attn_out = attn.o_proj(attn_out.reshape(*x_chunk.shape[:-1], -1).contiguous())
+        if self.layout == _GEMMA2:
+            hidden = x_chunk + layer.post_attention_layernorm(attn_out)
+            return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        hidden = x_chunk + attn_out
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def forward_without_graph(self, x):
+        keys, values = self.all_keys_values(x)
+        out = None
+        for index, (start, end) in enumerate(self.chunks):
+            kv_start, kv_end = self.key_ranges[index]
+            chunk_out = self.chunk_output(x[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index)
+            if out is None:
+                out = chunk_out.new_empty(x.shape[:2] + chunk_out.shape[2:])
+            out[:, start:end].copy_(chunk_out)
+            del chunk_out
+        return out
+
+
+def _sum_into(total, part, start, end, dim):
+    total.narrow(dim, start, end - start).add_(part)
+
+
+class _StreamedLayerFunction(torch.autograd.Function):
+    """Inputs: x [B, S, d], the `_StreamedLayer`, the layer's parameters that require grad (see mlp.py for why
+    they are inputs). Saves only x; K/V, masks and chunks are rebuilt in backward."""
+
+    @staticmethod
+    def forward(ctx, x, streamed, *params):
+        ctx.autocast_state = capture_autocast_state(x.device.type)
+        ctx.rng_state = capture_rng_state(x.device)  # dropout draws replayed in backward
+        ctx.streamed, ctx.params = streamed, params
+        ctx.save_for_backward(x)
+        return streamed.forward_without_graph(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        refuse_create_graph("streaming backward")
+        (x,) = ctx.saved_tensors
+        streamed, params = ctx.streamed, ctx.params
+        needs_x = ctx.needs_input_grad[0]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
+        acc = [None] * len(wanted)
+        grad_x = torch.zeros_like(x) if needs_x else None
+
+        with restore_autocast_state(ctx.autocast_state):
+            with restore_rng_state(ctx.rng_state, x.device):
+                with torch.no_grad():
+                    keys, values = streamed.all_keys_values(x)
+                # dK/dV are summed over chunks: in fp32 for half-precision K/V, rounded once at the end.
+                sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
+                grad_keys = torch.zeros_like(keys, dtype=sum_dtype)
+                grad_values = torch.zeros_like(values, dtype=sum_dtype)
+                with torch.enable_grad():
+                    for index, (start, end) in enumerate(streamed.chunks):
+                        kv_start, kv_end = streamed.key_ranges[index]
+                        x_chunk = x[:, start:end].detach().requires_grad_(needs_x)
+                        k_chunk = keys[:, :, kv_start:kv_end].detach().requires_grad_()
+                        v_chunk = values[:, :, kv_start:kv_end].detach().requires_grad_()
+                        out = streamed.chunk_output(x_chunk, k_chunk, v_chunk, index)
+                        if index == 0:
+                            check_graph_inputs(out, [x_chunk, k_chunk, v_chunk, *params], "streaming backward")
+                        inputs = [k_chunk, v_chunk] + ([x_chunk] if needs_x else []) + wanted
+                        grads = torch.autograd.grad(out, inputs, grad_out[:, start:end], allow_unused=True)
+                        del out  # this chunk's graph goes before the next one is built
+                        _sum_into(grad_keys, grads[0], kv_start, kv_end, dim=2)
+                        _sum_into(grad_values, grads[1], kv_start, kv_end, dim=2)
+                        if needs_x:
+                            _sum_into(grad_x, grads[2], start, end, dim=1)
+                        accumulate_grads(acc, grads[3 if needs_x else 2 :])
+                        del grads
+            del keys, values
+            # K/V backward, chunk by chunk, replaying the dropout draws of the forward's K/V pass.
+            with restore_rng_state(ctx.rng_state, x.device), torch.enable_grad():
+                for index, (start, end) in enumerate(streamed.chunks):
+                    x_chunk = x[:, start:end].detach().requires_grad_(needs_x)
+                    k_chunk, v_chunk = streamed.keys_values(x_chunk, start, end)
+                    if index == 0:
+                        check_graph_inputs(k_chunk, [x_chunk, *params], "streaming backward (keys)")
+                        check_graph_inputs(v_chunk, [x_chunk, *params], "streaming backward (values)")
+                    inputs = ([x_chunk] if needs_x else []) + wanted
+                    grads = torch.autograd.grad(
+                        (k_chunk, v_chunk),
+                        inputs,
+                        (
+                            grad_keys[:, :, start:end].to(k_chunk.dtype),
+                            grad_values[:, :, start:end].to(v_chunk.dtype),
+                        ),
+                        allow_unused=True,
+                    )
+                    if needs_x:
+                        _sum_into(grad_x, grads[0], start, end, dim=1)
+                        grads = grads[1:]
+                    accumulate_grads(acc, grads)
+
+        for total, param in zip(acc, wanted):
+            if total is None:
+                raise RuntimeError(
+                    f"streaming backward: a parameter of shape {tuple(param.shape)} that requires grad got no gradient "
+                    f"from {type(streamed.layer).__name__}'s recomputation; refusing to return a missing gradient."
+                )
+        param_grads = iter(total.to(p.dtype) for total, p in zip(acc, wanted))
+        all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[2:]]
+        return (grad_x, None, *all_grads)
+
+
+def _forward_with_checkpoints(streamed, x):
+    """The same chunks under nested non-reentrant checkpointing, for layers whose weights a wrapper swaps."""
+    from torch.utils.checkpoint import checkpoint
+
+    def layer_body(x):
+        parts = [streamed.keys_values(x[:, start:end], start, end) for start, end in streamed.chunks]
+        keys = torch.cat([k for k, _ in parts], dim=2)
+        values = torch.cat([v for _, v in parts], dim=2)
+        del parts
+        outs = []
+        for index, (start, end) in enumerate(streamed.chunks):
+            kv_start, kv_end = streamed.key_ranges[index]
+            outs.append(
+                checkpoint(
+                    streamed.chunk_output,
+                    x[:, start:end],
+                    keys[:, :, kv_start:kv_end],
+                    values[:, :, kv_start:kv_end],
+                    index,
+                    use_reentrant=False,
+                )
+            )
+        return torch.cat(outs, dim=1)
+
+    return checkpoint(layer_body, x, use_reentrant=False)
+
+
+def _layer_parameters(layer):
+    """The layer's parameters that require grad if the Function may take them as inputs, else None.
+
+    Checked per child module rather than on the layer: transformers installs output-capturing hooks on
+    decoder layers and attention modules (output_hidden_states / output_attentions), which only read the
+    outputs; the streamed path calls the children, never `self_attn` itself.
+    """
+    attn = layer.self_attn
+    modules = [child for name, child in layer.named_children() if name != "self_attn"] + list(attn.children())
+    params = []
+    for module in modules:
+        module_params = function_parameters(module)
+        if module_params is None:
+            return None
+        params += module_params
+    for owner in (layer, attn):
+        for value in [*owner.parameters(recurse=False), *vars(owner).values()]:
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                return None  # a weight held by the layer itself (FSDP1 flat-parameter views)
+    return params
+
+
+def _check_attention_hooks(attn) -> None:
+    """The streamed path never calls `self_attn`: refuse if something other than transformers' output
+    capturing (which we check separately) hooks it, since that hook would silently not run."""
+    hooks = [*attn._forward_pre_hooks.values(), *attn._forward_hooks.values()]
+    foreign = [hook for hook in hooks if getattr(hook, "__name__", "") != "output_capturing_hook"]
+    if foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__:
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME}: {type(attn).__name__} has hooks or a replaced forward (e.g. FSDP2 "
+            "`fully_shard` on the attention module, or accelerate hooks); the streamed layer calls the attention's "
+            "projections directly and those hooks would not run. Wrap whole decoder layers instead, or unset the field."
+        )
+    from ..utils.output_capturing import _active_collector
+
+    collector = _active_collector.get()
+    if collector is not None and "attentions" in collector:
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME}: output_attentions=True is not supported in training with streaming backward "
+            "(no full attention matrix is ever built). Request attentions in eval mode or unset the field."
+        )
+
+
+def decoder_layer_forward(forward, layer, *args, **kwargs):
+    """Streamed training forward of `layer` (`forward` is the layer class's own forward, for its signature)."""
+    cls, layout = _layout(layer)
+    if layout is None:
+        supported = ", ".join(name for _, name in SUPPORTED_LAYERS)
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME} is set but {type(layer).__name__} is not a decoder layer streaming backward "
+            f"supports ({supported}). Unset the field for this model."
+        )
+    bound = inspect.signature(forward).bind(layer, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    extra = dict(arguments.pop("kwargs", {}))
+    hidden_states = arguments["hidden_states"]
+    if arguments.get("past_key_values") is not None or arguments.get("use_cache"):
+        # As upstream's gradient checkpointing does: a training step does not fill a cache.
+        logger.warning_once(
+            f"{STREAMING_FIELD_NAME}: caching is incompatible with streaming backward in {cls.__name__}; "
+            "the layer does not update past_key_values."
+        )
+    if "position_ids" in arguments:
+        extra["position_ids"] = arguments["position_ids"]
+    _check_attention_hooks(layer.self_attn)
+    streamed = _StreamedLayer(
+        layer,
+        layout,
+        sys.modules[cls.__module__],
+        hidden_states,
+        arguments.get("attention_mask"),
+        arguments.get("position_embeddings"),
+        extra,
+    )
+    streamed.plan_key_ranges()
+    params = _layer_parameters(layer)
+    if params is None:
+        return _forward_with_checkpoints(streamed, hidden_states)
+    if not (hidden_states.requires_grad or params):
+        return streamed.forward_without_graph(hidden_states)  # frozen layer, frozen input: nothing to keep
+    return _StreamedLayerFunction.apply(hidden_states, streamed, *params)
