@@ -32,6 +32,7 @@ more forward of the chunks.
 import inspect
 import math
 import sys
+import weakref
 
 import torch
 
@@ -91,6 +92,10 @@ def applies(layer) -> bool:
     if getattr(config, STREAMING_FIELD_NAME, None) is None:
         return False
     return layer.training and torch.is_grad_enabled()
+
+
+# id(mask) -> (weak reference to the mask, (its version, window and chunks), key ranges).
+_RANGES_CACHE = {}
 
 
 def _sliding_window(attn):
@@ -195,6 +200,11 @@ class _StreamedLayer:
         if self.mask is None and self.attn.config._attn_implementation == "eager":
             # Upstream's eager attention with no mask attends to every key, future ones included.
             raise ValueError(f"{STREAMING_FIELD_NAME}: eager attention was called without a mask (bidirectional).")
+        key = (self.window, tuple(self.chunks))
+        cached = _RANGES_CACHE.get(id(self.mask))
+        if cached is not None and cached[0]() is self.mask and cached[1] == (self.mask._version, key):
+            self.key_ranges = cached[2]  # the layers share one mask per forward: checked once, not per layer
+            return
         self.key_ranges = []
         for start, end in self.chunks:
             kv_start = self._window_start(start)
@@ -211,6 +221,10 @@ class _StreamedLayer:
             if _has_blind_row(rows[..., kv_start:end]):
                 kv_start, end = 0, self.seq_len
             self.key_ranges.append((kv_start, end))
+        if self.mask is not None:
+            for stale in [k for k, (ref, *_) in _RANGES_CACHE.items() if ref() is None]:
+                del _RANGES_CACHE[stale]
+            _RANGES_CACHE[id(self.mask)] = (weakref.ref(self.mask), (self.mask._version, key), self.key_ranges)
 
     def chunk_mask(self, start: int, end: int, kv_start: int, kv_end: int) -> torch.Tensor:
         if self.mask is not None:

@@ -1,0 +1,306 @@
+"""`streaming_backward_chunk` (StreamBP) on the four families: the flag, exactness against the
+unsplit path, the attention traps of offset query chunks, errors, and memory.
+
+Every comparison builds the same model twice from one seed, streaming off (upstream path) and on,
+feeds both the same fresh random inputs, and compares the loss, the gradient of every parameter and
+of `inputs_embeds` (helpers shared with test_mini_sequence_models.py).
+"""
+
+import zlib
+
+import pytest
+import torch
+import transformers
+from test_mini_sequence_models import assert_close, batch, train_step
+from tiny_models import COMMON, FAMILIES, make_config, make_model
+from transformers.mini_sequence import LiveTensorTracker, streaming
+
+SEQ = 40
+CHUNKS = [1, 7, 64, SEQ - 1, SEQ + 5, "auto"]
+# Gemma-2 has no SDPA path upstream (soft-capped attention): eager only.
+IMPLEMENTATIONS = [(f, i) for f in sorted(FAMILIES) for i in ("sdpa", "eager") if not (f == "gemma2" and i == "sdpa")]
+WINDOWED = {  # config overrides that give every (or every other) layer a sliding window
+    "mistral": lambda w: {"sliding_window": w},
+    "qwen2": lambda w: {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0},
+    "gemma2": lambda w: {"sliding_window": w},
+}
+
+
+def seed_of(*parts):
+    return zlib.crc32("/".join(map(str, parts)).encode()) % 1000  # reproducible, unlike hash()
+
+
+def compare_streaming(family, chunk, seed, model_kwargs=None, step_kwargs=None, inputs=None, prepare=None):
+    """Flag off vs `streaming_backward_chunk=chunk` (plus whatever `model_kwargs` sets on both)."""
+    model_kwargs, step_kwargs = model_kwargs or {}, step_kwargs or {}
+    inputs = inputs if inputs is not None else batch(seed)
+    results = []
+    for value in (None, chunk):
+        model = make_model(family, streaming_backward_chunk=value, **model_kwargs)
+        if prepare is not None:
+            model = prepare(model)
+        results.append(train_step(model, *inputs, **step_kwargs))
+    (ref, ref_grads, ref_embeds), (out, grads, embeds) = results
+    assert_close(out.loss, ref.loss, what="loss")
+    assert grads.keys() == ref_grads.keys() and ref_grads
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(embeds, ref_embeds, what="inputs_embeds")
+    return out
+
+
+# ----------------------------------------------------------------------------- the flag
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("bad", [0, -3, 4.0, True, "Auto", "", [8]])
+def test_bad_flag_rejected_at_construction(family, bad):
+    with pytest.raises(ValueError, match=r"streaming_backward_chunk.*None, \"auto\", or a positive int"):
+        make_config(family, streaming_backward_chunk=bad)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_flag_saved_and_reloaded(family, tmp_path):
+    make_config(family, streaming_backward_chunk=96).save_pretrained(tmp_path)
+    assert transformers.AutoConfig.from_pretrained(tmp_path).streaming_backward_chunk == 96
+    assert make_config(family).streaming_backward_chunk is None
+
+
+def test_auto_chunk_policy():
+    assert streaming.streaming_chunk_size("auto", 100) == streaming.AUTO_MIN_TOKENS
+    long = 64 * streaming.AUTO_MIN_TOKENS
+    assert streaming.streaming_chunk_size("auto", long) == long // streaming.AUTO_NUM_CHUNKS
+    assert streaming.streaming_chunk_size(7, long) == 7
+
+
+def test_flag_assigned_after_construction_is_checked_at_use():
+    model = make_model("llama", streaming_backward_chunk=8).train()
+    model.config.streaming_backward_chunk = 2.5
+    with pytest.raises(ValueError, match="streaming_backward_chunk"):
+        model(input_ids=torch.ones(1, 12, dtype=torch.long), labels=torch.ones(1, 12, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- exactness, fp32
+
+
+@pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
+@pytest.mark.parametrize("chunk", CHUNKS, ids=str)
+def test_exact_against_unsplit(family, implementation, chunk):
+    """Batch 3: left padding on one row, ignored labels, one row fully ignored."""
+    compare_streaming(family, chunk, seed_of(family, implementation, chunk),
+                      model_kwargs={"attn_implementation": implementation})
+
+
+@pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
+def test_exact_with_mini_sequence_and_right_padding(family, implementation):
+    ids, mask, labels = batch(seed_of(family, "right"))
+    mask = torch.ones_like(mask)
+    mask[0, -9:] = 0  # right padding on row 0
+    labels = ids.masked_fill(mask == 0, -100)
+    compare_streaming(family, 6, 0, inputs=(ids, mask, labels),
+                      model_kwargs={"attn_implementation": implementation, "mini_sequence_chunk": 5})
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+@pytest.mark.parametrize("window", [4, 7, 16], ids=lambda w: f"window{w}")
+def test_exact_with_sliding_window(family, window):
+    """Window smaller than, equal to and larger than the chunk (7): a chunk reads keys from
+    start - window + 1 only, and the mask slice must match."""
+    implementation = "eager" if family == "gemma2" else ("sdpa" if window != 7 else "eager")
+    compare_streaming(family, 7, seed_of(family, window),
+                      model_kwargs={"attn_implementation": implementation, **WINDOWED[family](window)})
+
+
+@pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
+def test_exact_with_packed_sequences(family, implementation):
+    """Padding-free packing (TRL): no attention mask, position_ids restart at each sequence; the
+    model builds a block-diagonal causal mask, sliced per chunk."""
+    gen = torch.Generator().manual_seed(seed_of(family, "packed"))
+    lengths = [13, 9, 18]
+    ids = torch.randint(1, COMMON["vocab_size"], (1, sum(lengths)), generator=gen)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor(lengths), 0)[:-1]] = -100  # first token of each sequence
+    compare_streaming(family, 5, 0, inputs=(ids, None, labels), step_kwargs={"position_ids": position_ids},
+                      model_kwargs={"attn_implementation": implementation})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_exact_with_gradient_checkpointing_replaced(family, monkeypatch):
+    """With gradient checkpointing also on, streaming replaces it: exact, and no layer is checkpointed."""
+    checkpointed = []
+
+    def prepare(model):
+        model.activation_checkpointing_enable()
+        for layer in model.model.layers:
+            inner = layer._gradient_checkpointing_func
+            layer._gradient_checkpointing_func = lambda *a, _f=inner, **k: checkpointed.append(1) or _f(*a, **k)
+        return model
+
+    compare_streaming(family, 7, seed_of(family, "gc"), prepare=prepare)
+    # The flag-off model (first) checkpointed each of its 2 layers once; the streamed one none.
+    assert len(checkpointed) == COMMON["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_wrapper_path_exact(family, monkeypatch):
+    """The nested-checkpoint path that wrapped layers (ZeRO-3, FSDP) take, forced in one process."""
+    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer: None)
+    compare_streaming(family, 7, seed_of(family, "wrapped"), model_kwargs={"mini_sequence_chunk": 6})
+
+
+def test_attention_dropout_replayed(monkeypatch):
+    """With attention dropout the streamed backward must replay the forward's draws: the Function path
+    gives the same loss and gradients as plain autograd through the same chunks (the wrapper path,
+    where torch's checkpoint replays the RNG), and differs from the dropout-free run."""
+    inputs = batch(31)
+    runs = {}
+    for name in ("function", "autograd", "no-dropout"):
+        model = make_model("qwen2", streaming_backward_chunk=7,
+                           attention_dropout=0.0 if name == "no-dropout" else 0.3)
+        with monkeypatch.context() as patch:
+            if name == "autograd":
+                patch.setattr(streaming, "_layer_parameters", lambda layer: None)
+            torch.manual_seed(5)
+            runs[name] = train_step(model, *inputs)
+    (out, grads, embeds), (ref, ref_grads, ref_embeds) = runs["function"], runs["autograd"]
+    assert_close(out.loss, ref.loss, what="loss")
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(embeds, ref_embeds, what="inputs_embeds")
+    plain = runs["no-dropout"][1]
+    moved = max(((grads[n] - plain[n]).norm() / plain[n].norm()).item() for n in plain)
+    assert moved > 0.05, f"dropout changed the gradients by only {moved:.2e}: is it applied?"
+
+
+# ----------------------------------------------------------------------------- bf16
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_as_accurate_as_upstream(family):
+    """bf16 with streaming is as accurate as upstream bf16, both against fp32 from the same bf16
+    weights and inputs (relative-norm error of all gradients and of the loss)."""
+    inputs = batch(14, seq=96)
+    model16 = make_model(family).to(torch.bfloat16)
+    model32 = make_model(family)
+    model32.load_state_dict({k: v.float() for k, v in model16.state_dict().items()})
+    ref_out, ref_grads, ref_embeds = train_step(model32, *inputs)
+    reference = torch.cat([g.double().flatten() for g in [*ref_grads.values(), ref_embeds]])
+    errors = {}
+    for chunk in (None, 9):
+        out, grads, embeds = train_step(make_model(family, streaming_backward_chunk=chunk).to(torch.bfloat16), *inputs)
+        flat = torch.cat([g.double().flatten() for g in [*grads.values(), embeds]])
+        errors[chunk] = ((flat - reference).norm() / reference.norm()).item(), abs(out.loss.item() - ref_out.loss.item())
+    (grad_up, loss_up), (grad_ours, loss_ours) = errors[None], errors[9]
+    assert grad_ours <= 1.25 * grad_up, f"gradient error {grad_ours:.2e} vs upstream bf16 {grad_up:.2e}"
+    assert loss_ours <= 1.5 * loss_up + 1e-3, f"loss error {loss_ours:.2e} vs upstream bf16 {loss_up:.2e}"
+
+
+# ----------------------------------------------------------------------------- unchanged paths
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_eval_and_generate_unchanged(family):
+    ids, mask, labels = batch(10)
+    ref = make_model(family).eval()(input_ids=ids, attention_mask=mask, labels=labels)
+    out = make_model(family, streaming_backward_chunk=3).eval()(input_ids=ids, attention_mask=mask, labels=labels)
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    prompt = ids[:1, :9]
+    generated = [make_model(family, streaming_backward_chunk=c).generate(prompt, max_new_tokens=5, do_sample=False)
+                 for c in (None, 3)]
+    assert torch.equal(*generated)
+
+
+def test_no_grad_training_mode_runs_upstream(monkeypatch):
+    monkeypatch.setattr(streaming, "decoder_layer_forward", lambda *a, **k: pytest.fail("streamed under no_grad"))
+    model = make_model("llama", streaming_backward_chunk=3).train()
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 12, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_unsupported_attention_implementation_raises_at_first_training_forward():
+    def plain_attention(module, query, key, value, attention_mask, **kwargs):
+        return transformers.integrations.sdpa_attention.sdpa_attention_forward(
+            module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("mst_test_attention", plain_attention)
+    model = make_model("llama", streaming_backward_chunk=4, attn_implementation="mst_test_attention")
+    ids = torch.ones(1, 12, dtype=torch.long)
+    model.eval()(input_ids=ids)  # eval: upstream path, fine
+    with pytest.raises(ValueError, match=r"attn_implementation='mst_test_attention'.*\('sdpa', 'eager'\)"):
+        model.train()(input_ids=ids, labels=ids)
+
+
+def test_non_causal_mask_raises():
+    """A 4D mask that lets a query see a later key (prefix LM) cannot be streamed over the causal prefix."""
+    model = make_model("llama", streaming_backward_chunk=4, attn_implementation="eager").train()
+    seq = 12
+    mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool))
+    mask[:6, :6] = True  # bidirectional prefix
+    additive = torch.zeros(1, 1, seq, seq).masked_fill(~mask, torch.finfo(torch.float32).min)
+    ids = torch.ones(1, seq, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"query tokens 0..3 see keys outside their causal prefix \[0, 4\)"):
+        model(input_ids=ids, attention_mask=additive, labels=ids)
+
+
+def test_bidirectional_gemma2_raises():
+    model = make_model("gemma2", streaming_backward_chunk=4, use_bidirectional_attention=True).train()
+    ids = torch.ones(1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match="needs causal attention"):
+        model(input_ids=ids, labels=ids)
+
+
+def test_output_attentions_in_training_raises():
+    model = make_model("llama", streaming_backward_chunk=4, attn_implementation="eager").train()
+    ids = torch.ones(1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(input_ids=ids, labels=ids, output_attentions=True)
+
+
+def test_hooked_attention_module_raises():
+    model = make_model("mistral", streaming_backward_chunk=4).train()
+    model.model.layers[1].self_attn.register_forward_pre_hook(lambda module, args: None)
+    ids = torch.ones(1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match="MistralAttention has hooks"):
+        model(input_ids=ids, labels=ids)
+
+
+def test_missing_gradient_raises(monkeypatch):
+    """A parameter used by the layer but not handed to the Function must raise, not lose its gradient."""
+    real = streaming._layer_parameters
+    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer: real(layer)[1:])
+    model = make_model("llama", streaming_backward_chunk=4).train()
+    ids = torch.ones(1, 12, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="not among the parameters the chunked Function was given"):
+        model(input_ids=ids, labels=ids).loss.backward()
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_no_full_sequence_scores_queries_or_attention_output(family):
+    """With streaming, no [B, heads, S, S] scores and no full-sequence Q or attention output is ever
+    allocated (forward or backward). Shapes chosen so these are recognisable: 4 query heads of 12
+    (q width 48), 2 KV heads (K/V width 24), hidden 32, S = 256 (no other dimension is 256)."""
+    seq, heads, head_dim = 256, 4, 12
+    ids = torch.randint(1, COMMON["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(1))
+    found = {}
+    for chunk in (None, 32):
+        model = make_model(family, streaming_backward_chunk=chunk, attn_implementation="eager", head_dim=head_dim).train()
+        with LiveTensorTracker(keep_largest=5_000) as tracker:
+            model(input_ids=ids, labels=ids).loss.backward()
+        found[chunk] = [
+            shape for _, shape, _ in tracker.largest_shapes
+            # Per-head scores / probabilities. (The model's own [B, 1, S, S] masks are upstream's, built once
+            # per forward before the layers, and shared by them.)
+            if (len(shape) == 4 and shape[1] != 1 and shape[-2:] == (seq, seq))
+            # Full q_proj output (the first full-Q tensor) or attention output. (A [B, heads, S, head_dim]
+            # shape is not checked: eager's repeat_kv legitimately expands the last chunk's K/V prefix to it.)
+            or shape[-2:] == (seq, heads * head_dim)
+        ]
+    assert found[None], "the tracker must see upstream's full-sequence attention tensors"
+    assert found[32] == [], found[32][:5]
