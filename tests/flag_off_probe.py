@@ -27,6 +27,11 @@ labels[attention_mask == 0] = -100
 labels[0, :3] = -100
 out_model = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 out_model.loss.backward()
+# Again with gradient checkpointing: the series also patches GradientCheckpointingLayer (StreamBP).
+checkpointed = make_model(family, seed=0)
+checkpointed.train()
+checkpointed.gradient_checkpointing_enable()
+checkpointed(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
 torch.save(
     {
         "file": transformers.__file__,
@@ -34,6 +39,7 @@ torch.save(
         "loss": out_model.loss.detach(),
         "logits": out_model.logits.detach(),
         "grads": {n: p.grad for n, p in model.named_parameters()},
+        "checkpointed_grads": {n: p.grad for n, p in checkpointed.named_parameters()},
     },
     out,
 )

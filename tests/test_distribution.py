@@ -86,6 +86,7 @@ def test_flag_off_bit_identical_to_pristine_upstream(family, pristine_tree, tmp_
     assert a["grads"].keys() == b["grads"].keys()
     for name in a["grads"]:
         assert torch.equal(a["grads"][name], b["grads"][name]), name
+        assert torch.equal(a["checkpointed_grads"][name], b["checkpointed_grads"][name]), name
 
 
 def test_console_script_runs():
