@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 import transformers.mini_sequence.integration as integration
+from transformers.mini_sequence import streaming
 from tiny_models import make_model
 
 from integration_helpers import chat_rows, make_tokenizer, preference_rows, prompt_completion_rows, text_rows
@@ -102,13 +103,13 @@ SFT_CASES = {
 }
 
 
-def run_sft(tmp_path, chunk, family, rows, overrides):
+def run_sft(tmp_path, chunk, family, rows, overrides, stream=None):
     import datasets
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(**{**common_args(tmp_path, f"sft-{chunk}"), **overrides})
+    args = SFTConfig(**{**common_args(tmp_path, f"sft-{chunk}-{stream}"), **overrides})
     trainer = SFTTrainer(
-        model=make_model(family, mini_sequence_chunk=chunk),
+        model=make_model(family, mini_sequence_chunk=chunk, streaming_backward_chunk=stream),
         args=args,
         train_dataset=datasets.Dataset.from_dict(rows),
         processing_class=make_tokenizer(),
@@ -179,13 +180,13 @@ def test_sft_eval_logits_with_flag(tmp_path, spies):
     assert results[1]["eval_loss"] == pytest.approx(results[0]["eval_loss"], rel=RTOL)
 
 
-def run_dpo(tmp_path, chunk):
+def run_dpo(tmp_path, chunk, stream=None):
     import datasets
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(**common_args(tmp_path, f"dpo-{chunk}"))
+    args = DPOConfig(**common_args(tmp_path, f"dpo-{chunk}-{stream}"))
     trainer = DPOTrainer(
-        model=make_model("llama", mini_sequence_chunk=chunk),
+        model=make_model("llama", mini_sequence_chunk=chunk, streaming_backward_chunk=stream),
         ref_model=make_model("llama", mini_sequence_chunk=chunk),
         args=args,
         train_dataset=datasets.Dataset.from_dict(preference_rows(12, seed=8)),
@@ -240,13 +241,12 @@ def lora_grads(model, batch, lora_config):
     return out.loss.detach(), out.logits, grads
 
 
-def lora_config():
+def lora_config(target_modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"), dropout=0.0):
     from peft import LoraConfig
 
     # init_lora_weights=False: B is random too, so A gets a non-zero gradient to compare.
     return LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-        target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+        r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False, target_modules=list(target_modules),
     )
 
 
@@ -280,14 +280,15 @@ def test_peft_lora_adapter_grads_equal(spies):
     assert_lora_grads_close(off, on, RTOL)
 
 
-def load_4bit(path, chunk, compute_dtype):
+def load_4bit(path, chunk, compute_dtype, stream=None):
     from peft import prepare_model_for_kbit_training
 
     quantization = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quantization, mini_sequence_chunk=chunk, dtype=torch.float32
+        path, quantization_config=quantization, mini_sequence_chunk=chunk, dtype=torch.float32,
+        streaming_backward_chunk=stream,
     )
     # Freezes the base, casts norms to fp32, turns on gradient checkpointing (input grads enabled).
     return prepare_model_for_kbit_training(model)
@@ -333,3 +334,137 @@ def test_qlora_bf16_compute_within_bf16_error(saved_llama, spies):
     for name, ref in reference.items():
         err_off, err_on = rel_err(off[name].float(), ref), rel_err(on[name].float(), ref)
         assert err_on <= 1.5 * err_off + 1e-3, (name, err_on, err_off)
+
+
+# ---- streaming_backward_chunk (StreamBP) under TRL, PEFT and QLoRA ----
+# Query chunks of 9 tokens: every sequence here (11-40 tokens) streams in 2 chunks or more (checked).
+# Mostly together with mini_sequence_chunk=7 (the recommended long-sequence setting): 7 < 9, so the
+# MLP also splits inside each streamed chunk.
+STREAM = 9
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture
+def streamed_layers(monkeypatch):
+    """How many decoder-layer calls took the streamed path (so flag on is never flag off again)."""
+    counts = {"layers": 0}
+    forward = streaming.decoder_layer_forward
+
+    def spy(*args, **kwargs):
+        counts["layers"] += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(streaming, "decoder_layer_forward", spy)
+    return counts
+
+
+@pytest.mark.parametrize("case", ["padded", "packing_padding_free", "padding_free"])
+def test_sft_trainer_streaming_equals_off(case, tmp_path, spies, streamed_layers):
+    """TRL SFT (padded, packed with restarting position_ids, padding-free), gradient accumulation 2:
+    both flags on train like both off, micro-batch by micro-batch."""
+    require("trl")
+    family, rows, overrides = SFT_CASES[case]
+    losses_off, logs_off, weights_off, _ = run_sft(tmp_path, None, family, rows, overrides)
+    assert streamed_layers["layers"] == 0
+    losses_on, logs_on, weights_on, batches = run_sft(tmp_path, CHUNK, family, rows, overrides, stream=STREAM)
+    # 2 layers x 6 micro-batches streamed, each in several chunks, the MLP split inside them.
+    assert streamed_layers["layers"] == 12 and spies["mlp_split"] >= 24, (streamed_layers, spies)
+    assert all(batch["input_ids"].shape[1] > STREAM for batch in batches)
+    assert len(losses_off) == 6
+    assert losses_on == pytest.approx(losses_off, rel=RTOL)
+    for log_off, log_on in zip(logs_off, logs_on):
+        for key in ("loss", "entropy", "mean_token_accuracy"):
+            assert log_on[key] == pytest.approx(log_off[key], rel=RTOL), key
+    assert_same_weights(weights_off, weights_on)
+
+
+def test_dpo_trainer_streaming_equals_off(tmp_path, streamed_layers):
+    """DPO: policy streamed (the reference model runs without grad: upstream path), equal to flags off."""
+    require("trl")
+    losses_off, logs_off, weights_off = run_dpo(tmp_path, None)
+    losses_on, logs_on, weights_on = run_dpo(tmp_path, CHUNK, stream=STREAM)
+    assert streamed_layers["layers"] == 12, streamed_layers
+    assert losses_on == pytest.approx(losses_off, rel=RTOL)
+    for log_off, log_on in zip(logs_off, logs_on):
+        for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+            assert log_on[key] == pytest.approx(log_off[key], rel=RTOL, abs=1e-6), key
+    assert_same_weights(weights_off, weights_on)
+
+
+def assert_streamed_lora_grads_close(off, on, expected_count, rtol=RTOL):
+    (loss_off, _, grads_off), (loss_on, _, grads_on) = off, on
+    assert len(grads_off) == expected_count and grads_off.keys() == grads_on.keys()
+    assert all(g.abs().max() > 0 for g in grads_off.values())
+    assert loss_on.item() == pytest.approx(loss_off.item(), rel=rtol)
+    worst = max(grads_off, key=lambda k: rel_err(grads_on[k], grads_off[k]))
+    assert rel_err(grads_on[worst], grads_off[worst]) < rtol, (worst, rel_err(grads_on[worst], grads_off[worst]))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2"])
+@pytest.mark.parametrize("chunk", [None, CHUNK], ids=["streaming", "streaming+mini_sequence"])
+def test_peft_lora_all_projections_streaming_equals_off(family, chunk, streamed_layers):
+    """LoRA (dropout 0) on q, k, v, o, gate, up, down: adapter gradients equal flags off (Mistral with a
+    window of 8 < the 40-token sequence; right padding, ignored labels)."""
+    require("peft")
+    batch = padded_batch()
+    extra = {"sliding_window": 8} if family == "mistral" else {}
+    off = lora_grads(make_model(family, **extra), batch, lora_config(ALL_PROJECTIONS))
+    on = lora_grads(make_model(family, mini_sequence_chunk=chunk, streaming_backward_chunk=STREAM, **extra), batch,
+                    lora_config(ALL_PROJECTIONS))
+    assert streamed_layers["layers"] == 2
+    # 7 projections x (A, B) x 2 layers.
+    assert_streamed_lora_grads_close(off, on, expected_count=28)
+
+
+class _PlainAutogradStreaming:
+    """Stands in for `_StreamedLayerFunction`: the same chunked forward (same arithmetic, same dropout
+    draws in the same order), recorded by ordinary autograd instead of streamed backward."""
+
+    @staticmethod
+    def apply(x, streamed, *params):
+        return streamed.forward_without_graph(x)
+
+
+def test_peft_lora_dropout_streamed_backward_is_exact(monkeypatch, streamed_layers):
+    """LoRA with dropout 0.3 on every projection: flag on and off draw different dropout masks (the
+    chunks draw in another order), so they cannot be compared. What must hold is that the streamed
+    backward is the exact gradient of the streamed forward, i.e. it replays the forward's dropout masks
+    in every recomputation (the K/V pass, each chunk, the K/V backward). Reference: the same chunked
+    forward, from the same RNG state, under plain autograd. A mask drawn afresh in backward changes the
+    gradients by O(1) (checked: the dropout-free gradients differ by more than 10%)."""
+    require("peft")
+    batch = padded_batch()
+
+    def run(dropout):
+        model = make_model("llama", streaming_backward_chunk=STREAM)
+        torch.manual_seed(1)
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(ALL_PROJECTIONS, dropout=dropout)).train()
+        torch.manual_seed(3)  # the dropout draws
+        out = model(**batch)
+        out.loss.backward()
+        return out.loss.detach(), None, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    streamed = run(0.3)
+    no_dropout = run(0.0)
+    assert streamed_layers["layers"] == 4
+    monkeypatch.setattr(streaming, "_StreamedLayerFunction", _PlainAutogradStreaming)
+    reference = run(0.3)
+    assert_streamed_lora_grads_close(reference, streamed, expected_count=28)
+    # Dropout really was active in both: far from the dropout-free gradients.
+    assert max(rel_err(streamed[2][k], no_dropout[2][k]) for k in streamed[2]) > 0.1
+
+
+def test_qlora_4bit_streaming_equals_off(saved_llama, streamed_layers):
+    """QLoRA (NF4 base weights, fp32 compute; prepare_model_for_kbit_training turns gradient
+    checkpointing on, which streaming replaces): adapter gradients equal flags off."""
+    require("peft")
+    require("bitsandbytes")
+    batch = padded_batch()
+    off = lora_grads(load_4bit(saved_llama, None, torch.float32), batch, lora_config(ALL_PROJECTIONS))
+    model_on = load_4bit(saved_llama, CHUNK, torch.float32, stream=STREAM)
+    assert model_on.is_gradient_checkpointing
+    on = lora_grads(model_on, batch, lora_config(ALL_PROJECTIONS))
+    assert streamed_layers["layers"] == 2
+    assert_streamed_lora_grads_close(off, on, expected_count=28)

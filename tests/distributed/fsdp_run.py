@@ -7,8 +7,11 @@ WRAPPER: fsdp1_orig_params, fsdp1_flat_params (FSDP1 with `use_orig_params` True
 accelerator (see trainer_run.py). Same models, data and checks as trainer_run.py: each decoder layer
 is its own unit, and so is an untied `lm_head` (Mistral; Llama ties it to the embedding, which must
 stay in the root unit). A plain loop: SGD lr 0.5, gradient accumulation 2 (summed mean losses / 2),
-3 steps. Rank 0 saves the micro-batch losses, initial and final full weights of each run, and the
-number of all-gathers per step (flag on must gather as often as flag off, not once per chunk).
+3 steps, the same VARIANTS (the Trainer's `gradient_checkpointing=True` is
+`model.gradient_checkpointing_enable()` here, before wrapping). Rank 0 saves the micro-batch losses,
+initial and final full weights of each run, the recomputation counts of trainer_run.py, and the
+number of all-gathers per step (flags on must gather as often as flags off: a streamed layer gathers
+its weights once for its whole backward, not once per chunk).
 """
 
 import functools
@@ -17,7 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from trainer_run import CHUNK, FAMILIES, build_model, dataset
+from trainer_run import COUNTS, FAMILIES, VARIANTS, build_model, count_recomputation, dataset
 
 STEPS, ACCUMULATION, MICRO_BATCH = 3, 2, 2
 
@@ -86,10 +89,16 @@ WRAPPERS = {
 }
 
 
-def train(family, chunk, wrapper):
+def train(family, variant, wrapper):
     wrap, full_state = WRAPPERS[wrapper]
-    model = build_model(family, chunk)
+    model = build_model(family, variant)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer_args = dict(VARIANTS[variant][family][1])
+    if trainer_args.pop("gradient_checkpointing", False):
+        model.gradient_checkpointing_enable()
+    assert not trainer_args, f"fsdp_run.py has no equivalent of the Trainer arguments {trainer_args}"
+    COUNTS.update(dict.fromkeys(COUNTS, 0))
+    checkpointing = model.is_gradient_checkpointing
     model = wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     rows = dataset(model.config.vocab_size)
@@ -107,7 +116,8 @@ def train(family, chunk, wrapper):
         optimizer.zero_grad()
         gathers.append(GATHERS[0])
     state = {k: v.detach().float().cpu().clone() for k, v in full_state(model).items()}
-    return {"losses": losses, "initial": initial, "state": state, "gathers": gathers}
+    return {"losses": losses, "initial": initial, "state": state, "gathers": gathers, **COUNTS,
+            "gradient_checkpointing": checkpointing}
 
 
 def main():
@@ -116,7 +126,8 @@ def main():
         raise SystemExit(f"unknown wrapper {wrapper!r}; choose one of {sorted(WRAPPERS)}")
     dist.init_process_group("gloo")
     count_gathers()
-    results = {(family, chunk): train(family, chunk, wrapper) for family in FAMILIES for chunk in (None, CHUNK)}
+    count_recomputation()
+    results = {(family, variant): train(family, variant, wrapper) for family in FAMILIES for variant in VARIANTS}
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_file)
     dist.barrier()

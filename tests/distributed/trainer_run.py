@@ -3,10 +3,14 @@
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/distributed/trainer_run.py WRAPPER OUT_FILE
 
 WRAPPER: one of WRAPPERS below (FSDP: see fsdp_run.py). For each family (tiny Llama with tied embeddings; tiny Mistral with
-a sliding window shorter than the sequence) it trains twice from the same weights and data, with
-`mini_sequence_chunk` unset and set (chunks that do not divide the sequence), SGD, gradient
-accumulation 2, right padding and ignored labels. Rank 0 saves every micro-batch loss, the initial and the
-full final weights of each run to OUT_FILE; tests/test_distributed.py compares flag on with flag off.
+a sliding window shorter than the sequence) it trains three times from the same weights and data
+(VARIANTS): flags unset, `mini_sequence_chunk` set (chunks that do not divide the sequence), and
+`streaming_backward_chunk` set (Llama: alone, with the Trainer's gradient checkpointing on too, which
+streaming must replace; Mistral: with `mini_sequence_chunk`, query chunks longer than the window).
+SGD, gradient accumulation 2, right padding and ignored labels. Rank 0 saves every micro-batch loss,
+the initial and the full final weights of each run, and how often the streamed layers recomputed a
+chunk and the Trainer's checkpointing ran, to OUT_FILE; tests/test_distributed.py compares each
+variant with flags unset.
 """
 
 import os
@@ -16,14 +20,26 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+import transformers.modeling_utils  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers.mini_sequence import streaming  # noqa: E402
 
 SEQ = 48
 # Per family, on top of tests/tiny_models.py: Llama with tied embeddings; Mistral with a sliding
 # window shorter than the sequence.
 FAMILIES = {"llama": dict(tie_word_embeddings=True), "mistral": dict(sliding_window=8)}
 CHUNK = 7  # mini-sequences of 7 tokens: does not divide the 2 x 48 tokens of a micro-batch
+STREAM = 10  # streamed query chunks of 10 tokens: 5 per layer call (the last one 8), longer than Mistral's window
+# Per variant and family: (config overrides, TrainingArguments overrides); "off" is the reference.
+VARIANTS = {
+    "off": {family: ({}, {}) for family in FAMILIES},
+    "mini_sequence": {family: (dict(mini_sequence_chunk=CHUNK), {}) for family in FAMILIES},
+    "streaming": {
+        "llama": (dict(streaming_backward_chunk=STREAM), dict(gradient_checkpointing=True)),
+        "mistral": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), {}),
+    },
+}
 
 
 def zero(stage, **extra):
@@ -81,13 +97,37 @@ def dataset(vocab_size):
     return rows
 
 
-def build_model(family, chunk):
-    return make_model(family, seed=0, mini_sequence_chunk=chunk, use_cache=False, **FAMILIES[family])
+def build_model(family, variant):
+    return make_model(family, seed=0, use_cache=False, **FAMILIES[family], **VARIANTS[variant][family][0])
 
 
-def train(family, chunk, wrapper_name, workdir):
-    wrapper_args = WRAPPERS[wrapper_name]
-    model = build_model(family, chunk)
+COUNTS = {"layer_calls": 0, "chunk_calls": 0, "checkpoint_calls": 0}
+
+
+def count_recomputation():
+    """Count streamed decoder-layer calls, streamed chunk computations (forward and every recomputation)
+    and calls of the checkpoint function that gradient checkpointing uses (transformers.modeling_utils
+    binds `checkpoint` when checkpointing is enabled, so this must run before). Class and module
+    attributes, no module hooks: a hook would change which path the layer takes."""
+    layer_forward, chunk_output = streaming.decoder_layer_forward, streaming._StreamedLayer.chunk_output
+    checkpoint = transformers.modeling_utils.checkpoint
+
+    def counted(key, function):
+        def wrapper(*args, **kwargs):
+            COUNTS[key] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    streaming.decoder_layer_forward = counted("layer_calls", layer_forward)
+    streaming._StreamedLayer.chunk_output = counted("chunk_calls", chunk_output)
+    transformers.modeling_utils.checkpoint = counted("checkpoint_calls", checkpoint)
+
+
+def train(family, variant, wrapper_name, workdir):
+    wrapper_args = {**WRAPPERS[wrapper_name], **VARIANTS[variant][family][1]}
+    model = build_model(family, variant)
+    COUNTS.update(dict.fromkeys(COUNTS, 0))
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     args = TrainingArguments(
         output_dir=workdir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
@@ -103,7 +143,8 @@ def train(family, chunk, wrapper_name, workdir):
     model_for_state = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
     state = trainer.accelerator.get_state_dict(model_for_state)
     state = {k: v.detach().float().cpu().clone() for k, v in (state or {}).items()}
-    result = {"losses": trainer.losses, "initial": initial, "state": state}
+    result = {"losses": trainer.losses, "initial": initial, "state": state, **COUNTS,
+              "gradient_checkpointing": model.is_gradient_checkpointing}
     trainer.accelerator.free_memory()
     del trainer, model
     return result
@@ -113,11 +154,12 @@ def main():
     wrapper, out_file = sys.argv[1], sys.argv[2]
     if wrapper not in WRAPPERS:
         raise SystemExit(f"unknown wrapper {wrapper!r}; choose one of {sorted(WRAPPERS)}")
+    count_recomputation()
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
         for family in FAMILIES:
-            for chunk in (None, CHUNK):
-                results[(family, chunk)] = train(family, chunk, wrapper, workdir)
+            for variant in VARIANTS:
+                results[(family, variant)] = train(family, variant, wrapper, workdir)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_file)
 

@@ -1,11 +1,12 @@
 """Per-rank script (torchrun, 2 processes, gloo): how often DeepSpeed ZeRO-3 gathers weights.
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/distributed/zero3_gathers.py CHUNK
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/distributed/zero3_gathers.py CHUNK [STREAM]
 
 ZeRO-3 with every weight partitioned, no persistence, no prefetch; counts the gathers of each weight
 shape per step. Rank 0 prints one JSON line per step: loss, lm_head gradient norm, gathers. CHUNK:
-"none" (flag off) or an int; one per launch (a second `zero.Init` in one process fails). FSDP's
-gathers are counted in fsdp_run.py.
+`mini_sequence_chunk`, "none" (unset) or an int; STREAM: `streaming_backward_chunk`, the same (default
+none). One setting per launch (a second `zero.Init` in one process fails). FSDP's gathers are counted
+in fsdp_run.py.
 """
 
 import json
@@ -26,7 +27,7 @@ SIZES = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, use_cache=F
 SEQ, STEPS = 64, 2
 
 
-def zero3_run(chunk):
+def zero3_run(chunk, stream):
     import deepspeed
     import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -54,7 +55,8 @@ def zero3_run(chunk):
     model_class = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = model_class(make_config("llama", **SIZES, mini_sequence_chunk=chunk))
+        model = model_class(make_config("llama", **SIZES, mini_sequence_chunk=chunk,
+                                        streaming_backward_chunk=stream))
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
     for step in range(STEPS):
         counts.clear()
@@ -62,21 +64,22 @@ def zero3_run(chunk):
         engine.backward(loss)
         norm = deepspeed.utils.safe_get_full_grad(engine.module.lm_head.weight).norm().item()
         engine.step()
-        report(chunk, step, loss, norm, dict(counts))
+        report(chunk, stream, step, loss, norm, dict(counts))
 
 
 def ids():
     return torch.randint(0, SIZES["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def report(chunk, step, loss, lm_head_grad_norm, gathers):
+def report(chunk, stream, step, loss, lm_head_grad_norm, gathers):
     if dist.get_rank() == 0:
-        print(json.dumps({"chunk": chunk, "step": step, "loss": loss.item(),
+        print(json.dumps({"chunk": chunk, "stream": stream, "step": step, "loss": loss.item(),
                           "lm_head_grad_norm": lm_head_grad_norm, "gathers": gathers}), flush=True)
 
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    zero3_run(None if sys.argv[1] == "none" else int(sys.argv[1]))
+    chunk, stream = (None if value == "none" else int(value) for value in (sys.argv[1:] + ["none"])[:2])
+    zero3_run(chunk, stream)
     dist.barrier()
     dist.destroy_process_group()

@@ -433,11 +433,29 @@ def _layer_parameters(layer):
     return params
 
 
+def _is_idle_zero3_hook(attn, hook) -> bool:
+    """DeepSpeed ZeRO-3 hooks every module; a module's hooks gather (and release, and prepare the
+    backward of) only the parameters it holds itself, unless it is a ZeRO-3 leaf module. An attention
+    module holding none gathers nothing: not calling its hooks skips nothing (the projections' own hooks
+    run, we call them)."""
+    return (
+        (getattr(hook, "__module__", None) or "").startswith("deepspeed.")
+        and hasattr(attn, "ds_id")
+        and not getattr(attn, "_z3_leaf", False)
+        and next(attn.parameters(recurse=False), None) is None
+    )
+
+
 def _check_attention_hooks(attn) -> None:
     """The streamed path never calls `self_attn`: refuse if something other than transformers' output
-    capturing (which we check separately) hooks it, since that hook would silently not run."""
+    capturing (which we check separately) or an idle ZeRO-3 hook hooks it, since that hook would
+    silently not run."""
     hooks = [*attn._forward_pre_hooks.values(), *attn._forward_hooks.values()]
-    foreign = [hook for hook in hooks if getattr(hook, "__name__", "") != "output_capturing_hook"]
+    foreign = [
+        hook
+        for hook in hooks
+        if getattr(hook, "__name__", "") != "output_capturing_hook" and not _is_idle_zero3_hook(attn, hook)
+    ]
     if foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__:
         raise ValueError(
             f"{STREAMING_FIELD_NAME}: {type(attn).__name__} has hooks or a replaced forward (e.g. FSDP2 "
