@@ -83,7 +83,7 @@ def test_flag_on_trains_like_flag_off(script, wrapper, tmp_path):
         for name, initial in off["initial"].items():
             # Every weight trained: a gradient reached it (SGD, lr 0.5: the smallest move is ~7e-5).
             assert max_abs_diff(off["state"][name], initial) > 1e-6, (wrapper, family, name, "did not train")
-        for variant in VARIANTS:
+        for variant in [v for v in VARIANTS if v != "off"]:
             on = results[(family, variant)]
             assert_streamed_as_expected(wrapper, family, variant, on)
             assert len(off["losses"]) == len(on["losses"]) == MICRO_BATCHES, (family, off["losses"], on["losses"])

@@ -121,11 +121,26 @@ def run_sft(tmp_path, chunk, family, rows, overrides, stream=None):
     return losses, logs, weights, batches
 
 
+# Flags-off runs, shared by the tests that compare a flag with them (deterministic: same seeds, data).
+_FLAGS_OFF = {}
+
+
+def flags_off(key, run):
+    if key not in _FLAGS_OFF:
+        _FLAGS_OFF[key] = run()
+    return _FLAGS_OFF[key]
+
+
+def sft_flags_off(tmp_path, case):
+    family, rows, overrides = SFT_CASES[case]
+    return flags_off(("sft", case), lambda: run_sft(tmp_path, None, family, rows, overrides))
+
+
 @pytest.mark.parametrize("case", list(SFT_CASES))
 def test_sft_trainer_flag_on_equals_off(case, tmp_path, spies):
     require("trl")
     family, rows, overrides = SFT_CASES[case]
-    off = run_sft(tmp_path, None, family, rows, overrides)
+    off = sft_flags_off(tmp_path, case)
     assert spies == {"mlp_split": 0, "our_lm_loss": 0}
     on = run_sft(tmp_path, CHUNK, family, rows, overrides)
     # The MLPs ran split (2 layers x 6 micro-batches), TRL's fused head computed the loss: ours never ran.
@@ -200,7 +215,7 @@ def run_dpo(tmp_path, chunk, stream=None):
 
 def test_dpo_trainer_flag_on_equals_off(tmp_path, spies):
     require("trl")
-    losses_off, logs_off, weights_off = run_dpo(tmp_path, None)
+    losses_off, logs_off, weights_off = flags_off("dpo", lambda: run_dpo(tmp_path, None))
     losses_on, logs_on, weights_on = run_dpo(tmp_path, CHUNK)
     assert spies["mlp_split"] >= 12 and spies["our_lm_loss"] == 0, spies
     assert len(losses_off) == 6
@@ -364,7 +379,7 @@ def test_sft_trainer_streaming_equals_off(case, tmp_path, spies, streamed_layers
     both flags on train like both off, micro-batch by micro-batch."""
     require("trl")
     family, rows, overrides = SFT_CASES[case]
-    losses_off, logs_off, weights_off, _ = run_sft(tmp_path, None, family, rows, overrides)
+    losses_off, logs_off, weights_off, _ = sft_flags_off(tmp_path, case)
     assert streamed_layers["layers"] == 0
     losses_on, logs_on, weights_on, batches = run_sft(tmp_path, CHUNK, family, rows, overrides, stream=STREAM)
     # 2 layers x 6 micro-batches streamed, each in several chunks, the MLP split inside them.
@@ -381,7 +396,7 @@ def test_sft_trainer_streaming_equals_off(case, tmp_path, spies, streamed_layers
 def test_dpo_trainer_streaming_equals_off(tmp_path, streamed_layers):
     """DPO: policy streamed (the reference model runs without grad: upstream path), equal to flags off."""
     require("trl")
-    losses_off, logs_off, weights_off = run_dpo(tmp_path, None)
+    losses_off, logs_off, weights_off = flags_off("dpo", lambda: run_dpo(tmp_path, None))
     losses_on, logs_on, weights_on = run_dpo(tmp_path, CHUNK, stream=STREAM)
     assert streamed_layers["layers"] == 12, streamed_layers
     assert losses_on == pytest.approx(losses_off, rel=RTOL)
