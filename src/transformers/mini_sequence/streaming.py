@@ -22,11 +22,14 @@ When gradient checkpointing is on too, streaming replaces it for these layers (o
 two): `modeling_layers.GradientCheckpointingLayer` asks `applies(layer)` first. Eval, generation and
 frozen layers run upstream's forward.
 
-Wrappers: the Function takes the layer's parameters as inputs (DDP, PEFT LoRA, single process).
-When a wrapper may swap the weights at call time (ZeRO-3, FSDP; see wrappers.py) the same chunks run
-under nested non-reentrant checkpointing instead: the layer is checkpointed as a whole, and each
-query chunk inside it, so autograd delivers every gradient the wrapper expects, at the cost of one
-more forward of the chunks.
+Wrappers: the Function takes the layer's parameters as inputs when they are plain, hook-free leaf
+parameters while the layer runs (one process, DDP, PEFT LoRA, and FSDP2 with decoder layers as units:
+its pre-forward hook has already swapped in unsharded plain parameters). When a wrapper may swap the
+weights inside the layer (ZeRO-3's per-module gathers, FSDP1's flat-parameter views; see wrappers.py)
+the same chunks run under nested non-reentrant checkpointing instead: the layer is checkpointed as a
+whole, and each query chunk inside it, so autograd delivers every gradient the wrapper expects. That
+costs more forward work: each chunk runs 3n - 1 times for n chunks (forward, the layer's recompute,
+which torch stops early before the last chunk, and the chunk's own recompute) against 2n.
 """
 
 import inspect
