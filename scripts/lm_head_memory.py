@@ -4,20 +4,28 @@
   bf16 before    bf16 head: loss.py (and its "auto" chunk policy) as of git revision --before
   bf16 after     bf16 head: the installed loss.py
 
-Forward + backward of the head and loss (gradients for the hidden states and the head weight).
-Peak: ``LiveTensorTracker`` (exact live tensor bytes allocated during the step, weights and
-inputs excluded). Time: median of --repeats steps after a warm-up, the cases interleaved so that
-machine noise hits them alike; ratios are printed because the machine is noisy.
+Forward + backward of the head and loss (gradients for the hidden states and the head weight),
+"auto" chunk size. Peak: ``LiveTensorTracker`` (exact live tensor bytes allocated during the
+step, weights and inputs excluded). Time: median of --repeats steps after a warm-up, the cases
+interleaved so that machine noise hits them alike; ratios are printed because the machine is
+noisy.
 
-With --accuracy-tokens N > 0, the bf16 gradients at N tokens are also compared with an fp64
+CPUs without bf16 matrix instructions run bf16 matmuls 10-50x slower than fp32 ones (a bf16 step
+at 8192 tokens, d=512, V=32000 takes 10+ minutes on 2 AVX2 cores), hence two options:
+--fake-peaks measures the bf16 peaks under ``FakeTensorMode`` (shapes only; the run first checks
+that fake and real peaks agree on a small shape), and --time-tokens times the steps at fewer
+tokens with the chunk sizes of the full shape (the same per-chunk work, fewer chunks).
+
+With --accuracy-tokens N > 0, the gradients at N tokens are also compared with an fp64
 reference computed from the same bf16 inputs and weights (relative norm errors), next to
 upstream's own unsplit bf16 ``ForCausalLMLoss(lm_head(h), labels)``.
 
 Needs git (the "before" code is read with ``git show``). Example:
-    .venv/bin/python scripts/lm_head_memory.py --tokens 8192 --hidden 512 --vocab 32000
+    .venv/bin/python scripts/lm_head_memory.py --fake-peaks --time-tokens 1024
 """
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import sys
@@ -27,6 +35,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.mini_sequence import LiveTensorTracker, config, loss
@@ -67,10 +76,26 @@ def step(loss_fn, head, hidden, labels, chunk, vocab):
     return out, torch.autograd.grad(out, [h, head.weight])
 
 
-def peak_mib(run):
-    with LiveTensorTracker(keep_largest=0) as tracker:
-        result = run()
-        del result
+@contextlib.contextmanager
+def fake_parameters(modules):
+    """Under FakeTensorMode parameters are FakeTensors, not ``nn.Parameter``: ``function_parameters``
+    would send the head down the wrapper path. Let it take them (the head is a plain Linear)."""
+    saved = [m.function_parameters for m in modules]
+    for m in modules:
+        m.function_parameters = lambda module: [p for p in module.parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, saved):
+            m.function_parameters = f
+
+
+def peak_mib(fn, module, dtype, tokens, hidden_size, vocab, chunk, fake=False):
+    with FakeTensorMode() if fake else contextlib.nullcontext(), fake_parameters([module]) if fake else contextlib.nullcontext():
+        head, hidden, labels = make_inputs(tokens, hidden_size, vocab, dtype)
+        with LiveTensorTracker(keep_largest=0) as tracker:
+            result = step(fn, head, hidden, labels, chunk, vocab)
+            del result
     return tracker.peak_bytes / MIB
 
 
@@ -81,41 +106,52 @@ def main():
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--before", default=BEFORE, help="git revision of the 'bf16 before' code")
+    parser.add_argument("--fake-peaks", action="store_true", help="bf16 peaks under FakeTensorMode")
+    parser.add_argument("--time-tokens", type=int, default=None, help="time at this many tokens (default --tokens)")
     parser.add_argument("--accuracy-tokens", type=int, default=0)
     args = parser.parse_args()
 
     old_loss = load_module_at(args.before, "src/transformers/mini_sequence/loss.py", "_mst_loss_before")
     old_config = load_module_at(args.before, "src/transformers/mini_sequence/config.py", "_mst_config_before")
-    head32, hidden32, labels = make_inputs(args.tokens, args.hidden, args.vocab)
-    head16, hidden16 = type(head32)(args.hidden, args.vocab, bias=False).bfloat16(), hidden32.bfloat16()
-    with torch.no_grad():
-        head16.weight.copy_(head32.weight)
     shape = (args.hidden, args.vocab, args.tokens)
+    # name -> (loss function, its module, head dtype, chunk size at the full shape)
     cases = {
-        "fp32 path": (loss.mini_sequence_causal_lm_loss, head32, hidden32, config.lm_head_chunk_size("auto", *shape)),
-        "bf16 before": (
-            old_loss.mini_sequence_causal_lm_loss, head16, hidden16, old_config.lm_head_chunk_size("auto", *shape)
-        ),
-        "bf16 after": (
-            loss.mini_sequence_causal_lm_loss, head16, hidden16,
-            config.lm_head_chunk_size("auto", *shape, dtype=torch.bfloat16),
-        ),
+        "fp32 path": (loss.mini_sequence_causal_lm_loss, loss, torch.float32, config.lm_head_chunk_size("auto", *shape)),
+        "bf16 before": (old_loss.mini_sequence_causal_lm_loss, old_loss, torch.bfloat16,
+                        old_config.lm_head_chunk_size("auto", *shape)),
+        "bf16 after": (loss.mini_sequence_causal_lm_loss, loss, torch.bfloat16, config.lm_head_chunk_size("auto", *shape)),
     }
-
     print(f"{args.tokens} tokens, d={args.hidden}, V={args.vocab}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; forward+backward of LM head + loss", flush=True)
+
+    if args.fake_peaks:
+        small = (1024, 128, 4000, 256)  # tokens, d, V, chunk
+        for name, (fn, module, dtype, _) in cases.items():
+            if dtype == torch.bfloat16:
+                real, fake = (peak_mib(fn, module, dtype, *small, fake=f) for f in (False, True))
+                print(f"fake-peak check, {name}, {small[0]} tokens d={small[1]} V={small[2]} chunk {small[3]}: "
+                      f"real {real:.3f} MiB, fake {fake:.3f} MiB")
+                if abs(real - fake) > 0.01 * real:
+                    raise SystemExit("fake and real peaks disagree: run without --fake-peaks")
     results = {}
-    for name, (fn, head, hidden, chunk) in cases.items():
-        step(fn, head, hidden, labels, chunk, args.vocab)  # warm-up
-        results[name] = {"chunk": chunk, "peak": peak_mib(lambda: step(fn, head, hidden, labels, chunk, args.vocab))}
-        results[name]["times"] = []
-    for _ in range(args.repeats):
-        for name, (fn, head, hidden, chunk) in cases.items():
+    for name, (fn, module, dtype, chunk) in cases.items():
+        fake = args.fake_peaks and dtype == torch.bfloat16
+        peak = peak_mib(fn, module, dtype, args.tokens, args.hidden, args.vocab, chunk, fake=fake)
+        results[name] = {"chunk": chunk, "peak": peak, "fake": fake, "times": []}
+        print(f"{name}: peak {peak:.1f} MiB{' (fake tensors)' if fake else ''}", flush=True)
+
+    time_tokens = args.time_tokens or args.tokens
+    inputs = {dtype: make_inputs(time_tokens, args.hidden, args.vocab, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    for round_ in range(args.repeats + 1):  # round 0: warm-up
+        for name, (fn, module, dtype, chunk) in cases.items():
             start = time.perf_counter()
-            step(fn, head, hidden, labels, chunk, args.vocab)
-            results[name]["times"].append(time.perf_counter() - start)
+            step(fn, *inputs[dtype], chunk, args.vocab)
+            if round_:
+                results[name]["times"].append(time.perf_counter() - start)
+        print(f"timing round {round_} done", flush=True)
 
     ref = results["fp32 path"]
+    print(f"time at {time_tokens} tokens (median of {args.repeats}), peak at {args.tokens} tokens:")
     print(f"{'case':<12} {'chunk':>6} {'peak MiB':>9} {'peak/fp32':>9} {'time s':>8} {'time/fp32':>9}")
     for name, r in results.items():
         r["time"] = statistics.median(r["times"])
@@ -123,7 +159,8 @@ def main():
               f"{r['time']:>8.2f} {r['time'] / ref['time']:>9.2f}")
     before, after = results["bf16 before"], results["bf16 after"]
     print(f"bf16 after/before: peak {after['peak'] / before['peak']:.2f}, time {after['time'] / before['time']:.2f} "
-          f"(times: before {['%.2f' % t for t in before['times']]}, after {['%.2f' % t for t in after['times']]})")
+          f"(times s: before {' '.join('%.2f' % t for t in before['times'])}, "
+          f"after {' '.join('%.2f' % t for t in after['times'])})")
 
     if args.accuracy_tokens:
         accuracy(args, old_loss, old_config)
@@ -132,9 +169,7 @@ def main():
 
 def accuracy(args, old_loss, old_config):
     n = args.accuracy_tokens
-    head32, hidden32, labels = make_inputs(n, args.hidden, args.vocab, seed=1)
-    head16 = head32.bfloat16()
-    hidden16 = hidden32.bfloat16()
+    head16, hidden16, labels = make_inputs(n, args.hidden, args.vocab, torch.bfloat16, seed=1)
     head64 = nn.Linear(args.hidden, args.vocab, bias=False).double()
     with torch.no_grad():
         head64.weight.copy_(head16.weight)
@@ -149,7 +184,7 @@ def accuracy(args, old_loss, old_config):
         "bf16 before": step(old_loss.mini_sequence_causal_lm_loss, head16, hidden16, labels,
                             old_config.lm_head_chunk_size("auto", *shape), args.vocab),
         "bf16 after": step(loss.mini_sequence_causal_lm_loss, head16, hidden16, labels,
-                           config.lm_head_chunk_size("auto", *shape, dtype=torch.bfloat16), args.vocab),
+                           config.lm_head_chunk_size("auto", *shape), args.vocab),
     }
 
     def rel(a, b):

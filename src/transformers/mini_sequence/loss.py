@@ -87,7 +87,8 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
     tokens; then rounded once to the logits' dtype. A few rows at a time, so the fp32 buffers are
     small."""
     labels = labels.to(logits.device)
-    rows = max(1, _FP32_BLOCK_ELEMENTS // logits.shape[-1])
+    # At most an eighth of the chunk: the fp32 buffers stay small next to its own logits.
+    rows = max(1, min(_FP32_BLOCK_ELEMENTS // logits.shape[-1], -(-logits.shape[0] // 8)))
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], rows):
         end = min(start + rows, logits.shape[0])
@@ -101,6 +102,7 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
         grad = log_probs.exp_().mul_(scale)
         grad.scatter_add_(1, safe_target, -scale)
         grad_out[start:end].copy_(grad)
+        del log_probs, grad  # before the next block's are allocated
     return total
 
 
