@@ -6,11 +6,42 @@ Gemma-2's optional final-logit soft-capping in between), without ever allocating
 
 Design: a custom autograd Function that, when a gradient is needed, computes in its forward,
 chunk by chunk, the fp32 loss sum AND its gradients with respect to the chunk's hidden states
-and the LM head's parameters (autograd.grad through ``lm_head(chunk)``). Backward then only
-scales the stored gradients by the incoming gradient. Compared with recomputing the logits in
-backward this saves one [C, d] x [d, V] matmul per chunk (the forward logits), and it does
-not raise the peak: the stored [N, d] hidden gradient and the parameter gradient would
-exist in backward anyway, and nothing runs between the LM head's forward and its backward.
+and the LM head's parameters. Backward then only scales the stored gradients by the incoming
+gradient. Compared with recomputing the logits in backward this saves one [C, d] x [d, V]
+matmul per chunk (the forward logits), and it does not raise the peak: the stored [N, d]
+hidden gradient and the parameter gradient would exist in backward anyway, and nothing runs
+between the LM head's forward and its backward.
+
+Per chunk: ``lm_head(chunk)`` (the module itself, under autograd), then the loss and its logits
+gradient computed by hand a few rows at a time in fp32 (as upstream's cross-entropy backward
+computes it) and written, rounded once to the logits' dtype, over the logits themselves; then
+``autograd.grad`` of the logits with that gradient for the hidden states and any other
+parameter. The weight of a plain ``nn.Linear`` head gets its gradient summed straight into the
+accumulator, an eighth of the rows at a time. So a bf16 chunk holds one [C, V] bf16 buffer,
+not the bf16 logits + an fp32 copy + the fp32 log-probabilities + the fp32 and bf16 gradients,
+and no [V, d] gradient per chunk next to the fp32 accumulator. Half-precision parameter
+gradients are still summed in fp32 and rounded once (mlp.py): the fp32 [V, d] accumulator stays,
+as a bf16 running sum would double the weight gradient's error.
+
+Issue 7 item 4, measured with ``scripts/lm_head_memory.py --fake-peaks --time-tokens 1024``
+(CPU, 2 AVX2 cores; 8192 tokens, d=512, V=32000, "auto" chunk 1024; forward+backward of head +
+loss; peak = live tensor bytes, bf16 peaks under FakeTensorMode, checked equal to real ones on a
+small shape; time at 1024 tokens, one chunk, median of 2, interleaved)::
+
+    case         chunk  peak MiB  peak/fp32   time s  time/fp32
+    fp32 path     1024     157.0       1.00     2.61       1.00   (F.linear_cross_entropy)
+    bf16 before   1024     476.8       3.04    77.01      29.55
+    bf16 after    1024     148.9       0.95    92.93      35.66
+
+    bf16 time after/before: 1.21 in that run (steps: before 91.8 / 62.2 s, after 122.8 / 63.1 s;
+    the first pair ran next to a test suite, the second pair alone: 1.01); an earlier quiet run
+    of the same compute (before the last fp32-block fix, peak 156.9 MiB) gave 0.92 (before
+    70.8 / 72.7 s, after 63.5 / 69.1 s). At most 1/8 of the chunk's rows are upcast at a time.
+
+Gradients: the same accuracy as before against fp64 (tests/test_mini_sequence_core.py, seeds
+0-7: hidden-state gradient 1.000x upstream bf16's error, weight gradient 1.21-1.33x, both
+unchanged). The time is the bf16 matmuls (this CPU has no bf16 instructions: 70x the fp32 path);
+the sliced weight gradient is cheaper there than one [V, C] x [C, d] bf16 matmul.
 
 torch 2.13's chunked ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``
 was measured against this on the same shapes (CPU, 2 cores, 1 x 2048 tokens, d=256,
@@ -26,6 +57,7 @@ tensor bytes from ``LiveTensorTracker``):
     bf16 (N=512)  upstream 155 ms 96 MiB; ours 568 ms 40 MiB, loss identical, grads within
           bf16 rounding (3e-3); linear_cross_entropy auto 3331 ms / accurate 2494 ms, 16.5 MiB,
           loss off by 1.6% / 0.9% (it does not round the logits to bf16 as upstream does).
+          Rechecked (N=512, d=64, V=4000): the loss comes back in bf16, 0.28% off upstream's.
 
 Hence: a plain fp32 ``nn.Linear`` head without bias, hooks or soft-capping, outside
 autocast, goes to ``linear_cross_entropy`` (faster, exact); everything else (bf16/fp16,
