@@ -29,14 +29,13 @@ loss; peak = live tensor bytes, bf16 peaks under FakeTensorMode, checked equal t
 small shape; time at 1024 tokens, one chunk, median of 2, interleaved)::
 
     case         chunk  peak MiB  peak/fp32   time s  time/fp32
-    fp32 path     1024     157.0       1.00     2.61       1.00   (F.linear_cross_entropy)
-    bf16 before   1024     476.8       3.04    77.01      29.55
-    bf16 after    1024     148.9       0.95    92.93      35.66
+    fp32 path     1024     157.0       1.00     1.59       1.00   (F.linear_cross_entropy)
+    bf16 before   1024     476.8       3.04    61.62      38.69
+    bf16 after    1024     148.9       0.95    56.22      35.30
 
-    bf16 time after/before: 1.21 in that run (steps: before 91.8 / 62.2 s, after 122.8 / 63.1 s;
-    the first pair ran next to a test suite, the second pair alone: 1.01); an earlier quiet run
-    of the same compute (before the last fp32-block fix, peak 156.9 MiB) gave 0.92 (before
-    70.8 / 72.7 s, after 63.5 / 69.1 s). At most 1/8 of the chunk's rows are upcast at a time.
+    bf16 after/before: peak 0.31, time 0.91 (steps: before 64.1 / 59.2 s, after 56.5 / 56.0 s).
+    Two other runs: 0.92 (quiet) and 1.21 (its first pair of steps ran next to a test suite;
+    the second pair alone: 1.01). The "auto" chunk policy is unchanged (1024 tokens here).
 
 Gradients: the same accuracy as before against fp64 (tests/test_mini_sequence_core.py, seeds
 0-7: hidden-state gradient 1.000x upstream bf16's error, weight gradient 1.21-1.33x, both
