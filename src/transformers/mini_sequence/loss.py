@@ -39,7 +39,7 @@ small shape; time at 1024 tokens, one chunk, median of 2, interleaved)::
 
 Gradients: the same accuracy as before against fp64 (tests/test_mini_sequence_core.py, seeds
 0-7: hidden-state gradient 1.000x upstream bf16's error, weight gradient 1.21-1.33x, both
-unchanged). The time is the bf16 matmuls (this CPU has no bf16 instructions: 70x the fp32 path);
+unchanged). The time is the bf16 matmuls (this CPU has no bf16 instructions: 35x the fp32 path);
 the sliced weight gradient is cheaper there than one [V, C] x [C, d] bf16 matmul.
 
 torch 2.13's chunked ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``
