@@ -6,11 +6,41 @@ Gemma-2's optional final-logit soft-capping in between), without ever allocating
 
 Design: a custom autograd Function that, when a gradient is needed, computes in its forward,
 chunk by chunk, the fp32 loss sum AND its gradients with respect to the chunk's hidden states
-and the LM head's parameters (autograd.grad through ``lm_head(chunk)``). Backward then only
-scales the stored gradients by the incoming gradient. Compared with recomputing the logits in
-backward this saves one [C, d] x [d, V] matmul per chunk (the forward logits), and it does
-not raise the peak: the stored [N, d] hidden gradient and the parameter gradient would
-exist in backward anyway, and nothing runs between the LM head's forward and its backward.
+and the LM head's parameters. Backward then only scales the stored gradients by the incoming
+gradient. Compared with recomputing the logits in backward this saves one [C, d] x [d, V]
+matmul per chunk (the forward logits), and it does not raise the peak: the stored [N, d]
+hidden gradient and the parameter gradient would exist in backward anyway, and nothing runs
+between the LM head's forward and its backward.
+
+Per chunk: ``lm_head(chunk)`` (the module itself, under autograd), then the loss and its logits
+gradient computed by hand a few rows at a time in fp32 (as upstream's cross-entropy backward
+computes it) and written, rounded once to the logits' dtype, over the logits themselves; then
+``autograd.grad`` of the logits with that gradient for the hidden states and any other
+parameter. The weight of a plain ``nn.Linear`` head gets its gradient summed straight into the
+accumulator, an eighth of the rows at a time. So a bf16 chunk holds one [C, V] bf16 buffer,
+not the bf16 logits + an fp32 copy + the fp32 log-probabilities + the fp32 and bf16 gradients,
+and no [V, d] gradient per chunk next to the fp32 accumulator. Half-precision parameter
+gradients are still summed in fp32 and rounded once (mlp.py): the fp32 [V, d] accumulator stays,
+as a bf16 running sum would double the weight gradient's error.
+
+Issue 7 item 4, measured with ``scripts/lm_head_memory.py --fake-peaks --time-tokens 1024``
+(CPU, 2 AVX2 cores; 8192 tokens, d=512, V=32000, "auto" chunk 1024; forward+backward of head +
+loss; peak = live tensor bytes, bf16 peaks under FakeTensorMode, checked equal to real ones on a
+small shape; time at 1024 tokens, one chunk, median of 2, interleaved)::
+
+    case         chunk  peak MiB  peak/fp32   time s  time/fp32
+    fp32 path     1024     157.0       1.00     1.59       1.00   (F.linear_cross_entropy)
+    bf16 before   1024     476.8       3.04    61.62      38.69
+    bf16 after    1024     148.9       0.95    56.22      35.30
+
+    bf16 after/before: peak 0.31, time 0.91 (steps: before 64.1 / 59.2 s, after 56.5 / 56.0 s).
+    Two other runs: 0.92 (quiet) and 1.21 (its first pair of steps ran next to a test suite;
+    the second pair alone: 1.01). The "auto" chunk policy is unchanged (1024 tokens here).
+
+Gradients: the same accuracy as before against fp64 (tests/test_mini_sequence_core.py, seeds
+0-7: hidden-state gradient 1.000x upstream bf16's error, weight gradient 1.21-1.33x, both
+unchanged). The time is the bf16 matmuls (this CPU has no bf16 instructions: 35x the fp32 path);
+the sliced weight gradient is cheaper there than one [V, C] x [C, d] bf16 matmul.
 
 torch 2.13's chunked ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``
 was measured against this on the same shapes (CPU, 2 cores, 1 x 2048 tokens, d=256,
@@ -26,6 +56,7 @@ tensor bytes from ``LiveTensorTracker``):
     bf16 (N=512)  upstream 155 ms 96 MiB; ours 568 ms 40 MiB, loss identical, grads within
           bf16 rounding (3e-3); linear_cross_entropy auto 3331 ms / accurate 2494 ms, 16.5 MiB,
           loss off by 1.6% / 0.9% (it does not round the logits to bf16 as upstream does).
+          Rechecked (N=512, d=64, V=4000): the loss comes back in bf16, 0.28% off upstream's.
 
 Hence: a plain fp32 ``nn.Linear`` head without bias, hooks or soft-capping, outside
 autocast, goes to ``linear_cross_entropy`` (faster, exact); everything else (bf16/fp16,
@@ -58,15 +89,83 @@ def _apply_softcap(logits: torch.Tensor, cap):
     return logits * cap
 
 
-def _chunk_loss_sum(lm_head, hidden_chunk, labels_chunk, softcap, ignore_index, vocab_size):
-    logits = _apply_softcap(lm_head(hidden_chunk), softcap)
+def _check_vocab(logits, vocab_size):
     if logits.shape[-1] != vocab_size:
         raise ValueError(f"lm_head produced {logits.shape[-1]} logits per token, expected vocab_size={vocab_size}")
+    return logits
+
+
+def _chunk_loss_sum(lm_head, hidden_chunk, labels_chunk, softcap, ignore_index, vocab_size):
+    logits = _check_vocab(_apply_softcap(lm_head(hidden_chunk), softcap), vocab_size)
     # fp32 upcast as upstream ForCausalLMLoss; only one chunk's [C, V] logits exist. Labels follow
     # the logits (an lm_head on another device under device_map), as upstream.
     return F.cross_entropy(
         logits.float(), labels_chunk.to(logits.device), ignore_index=ignore_index, reduction="sum"
     )
+
+
+# Logits elements upcast to fp32 at a time by `_cross_entropy_sum_and_grad` (8 MiB): a bf16 chunk
+# then never has an fp32 copy of its [C, V] logits, nor an fp32 [C, V] gradient.
+_FP32_BLOCK_ELEMENTS = 1 << 21
+
+
+def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_out):
+    """fp32 sum of the token losses of ``logits`` [C, V] (upstream: ``F.cross_entropy(logits.float(),
+    labels, reduction="sum")``), and ``grad_scale`` times its gradient written into ``grad_out``
+    (shape and dtype of ``logits``; may be ``logits`` itself: each block of rows is read before it
+    is written). The gradient is computed as upstream's backward does, in fp32 from the fp32
+    log-probabilities: ``exp(log_probs) * scale``, minus ``scale`` at the target, zero on ignored
+    tokens; then rounded once to the logits' dtype. A few rows at a time, so the fp32 buffers are
+    small."""
+    labels = labels.to(logits.device)
+    # At most an eighth of the chunk: the fp32 buffers stay small next to its own logits.
+    rows = max(1, min(_FP32_BLOCK_ELEMENTS // logits.shape[-1], -(-logits.shape[0] // 8)))
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], rows):
+        end = min(start + rows, logits.shape[0])
+        target = labels[start:end]
+        valid = target != ignore_index
+        safe_target = torch.where(valid, target, 0).unsqueeze(1)
+        log_probs = F.log_softmax(logits[start:end], dim=-1, dtype=torch.float32)
+        picked = log_probs.gather(1, safe_target).squeeze(1)
+        total -= torch.where(valid, picked, 0.0).sum()
+        scale = torch.where(valid, grad_scale, 0.0).unsqueeze(1)
+        grad = log_probs.exp_().mul_(scale)
+        grad.scatter_add_(1, safe_target, -scale)
+        grad_out[start:end].copy_(grad)
+        del log_probs, grad  # before the next block's are allocated
+    return total
+
+
+# Slices in which `_add_linear_weight_grad` computes a chunk's weight gradient: only 1/8 of a
+# [V, d] gradient exists at a time besides the accumulator.
+_WEIGHT_GRAD_SLICES = 8
+
+
+def _manual_weight(lm_head, wanted_params, device_type):
+    """The weight of a plain ``nn.Linear`` head (no replaced forward, no autocast cast) whose
+    gradient the Function computes itself with `_add_linear_weight_grad`, else None (autograd
+    then computes it, a whole [V, d] tensor per chunk). Hooks were ruled out by
+    ``function_parameters``."""
+    if type(lm_head) is not torch.nn.Linear or "forward" in lm_head.__dict__:
+        return None
+    if torch.is_autocast_enabled(device_type):
+        return None
+    weight = lm_head.weight
+    return weight if any(p is weight for p in wanted_params) else None
+
+
+def _add_linear_weight_grad(acc, grad_out, inputs):
+    """``acc += grad_out.T @ inputs`` ([V, C] x [C, d]) in slices of the V output features: besides
+    the accumulator only one slice's product exists (in the inputs' dtype, so a bf16 chunk gradient
+    is rounded once, as autograd's would be), not a whole [V, d] gradient per chunk."""
+    step = -(-acc.shape[0] // _WEIGHT_GRAD_SLICES)
+    for start in range(0, acc.shape[0], step):
+        rows = slice(start, start + step)
+        if acc.dtype == grad_out.dtype:
+            acc[rows].addmm_(grad_out[:, rows].T, inputs)
+        else:
+            acc[rows].add_(grad_out[:, rows].T @ inputs)
 
 
 def _keep(tensor):
@@ -79,11 +178,11 @@ def _on_device(value, device):
 
 class _MiniSequenceLMLossFunction(torch.autograd.Function):
     """Returns the fp32 sum of the token losses divided by ``divisor`` (the token count or
-    ``num_items_in_batch``). The division happens per chunk, before the gradients are taken, as
-    upstream divides before its backward: the fp32 logits gradient is scaled before it is rounded
-    to the logits' dtype, so a bf16 hidden-state gradient is rounded once, like upstream's.
-    (Scaling the stored bf16 gradient in backward rounded it twice, and by a bf16-rounded 1/N:
-    1.26-1.38x upstream's error against fp64, measured over 21 seeds.)"""
+    ``num_items_in_batch``). The logits gradient is scaled by ``1 / divisor`` in fp32 before it is
+    rounded to the logits' dtype, as upstream divides before its backward, so a bf16 hidden-state
+    gradient is rounded once, like upstream's. (Scaling the stored bf16 gradient in backward
+    rounded it twice, and by a bf16-rounded 1/N: 1.26-1.38x upstream's error against fp64,
+    measured over 21 seeds.)"""
 
     @staticmethod
     def forward(ctx, hidden, labels, chunk_size, lm_head, softcap, ignore_index, vocab_size, divisor, *params):
@@ -94,37 +193,71 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
         # fp32 accumulation of half-precision parameter grads: rounded once, like the unsplit
         # matmul (see mlp.py for the measurement).
         acc = [None] * len(wanted_params)
+        weight = _manual_weight(lm_head, wanted_params, hidden.device.type)
+        if weight is not None:
+            half = weight.dtype in (torch.float16, torch.bfloat16)
+            weight_index = next(i for i, p in enumerate(wanted_params) if p is weight)
+            acc[weight_index] = torch.zeros_like(weight, dtype=torch.float32 if half else weight.dtype)
+        autograd_params = [p for p in wanted_params if p is not weight]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        divisor = _on_device(divisor, hidden.device)
+        # d(loss) / d(sum of the token losses), in fp32 as upstream's division backward computes it.
+        grad_scale = torch.ones((), dtype=torch.float32, device=hidden.device) / divisor
 
         num_tokens = hidden.shape[0]
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            # Identity saved-tensor hooks: this inner graph lives and dies here, so the hooks of an
-            # enclosing non-reentrant checkpoint must not pack it (each unpack by autograd.grad
-            # would re-run the whole checkpointed region: quadratic in the chunk count).
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            saved = []  # storages the chunk's graph saves (held by the graph anyway)
+
+            def record_saved(tensor):
+                saved.append(tensor.untyped_storage())
+                return tensor
+
+            # Saved-tensor hooks that keep tensors as they are: this inner graph lives and dies
+            # here, so the hooks of an enclosing non-reentrant checkpoint must not pack it (each
+            # unpack by autograd.grad would re-run the whole checkpointed region: quadratic in the
+            # chunk count). They also tell whether the graph saved the logits themselves.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record_saved, _keep):
                 h_chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
-                loss_chunk = _chunk_loss_sum(
-                    lm_head, h_chunk, labels[start:end], softcap, ignore_index, vocab_size
+                raw = lm_head(h_chunk)
+                logits = _check_vocab(_apply_softcap(raw, softcap), vocab_size)
+            if start == 0:
+                check_graph_inputs(logits, [h_chunk, *params], "mini-sequence LM-head loss")
+            # The logits' gradient overwrites the logits (one [C, V] buffer instead of two) unless
+            # the head's backward needs them (then autograd would refuse the modified tensor).
+            in_place = not any(storage is logits.untyped_storage() for storage in saved)
+            grad_logits = logits if in_place else torch.empty_like(logits)
+            with torch.no_grad():
+                chunk_sum = _cross_entropy_sum_and_grad(
+                    logits, labels[start:end], ignore_index, grad_scale.to(logits.device), grad_logits
                 )
-                loss_chunk = loss_chunk / _on_device(divisor, loss_chunk.device)
-                inputs = ([h_chunk] if needs_hidden else []) + wanted_params
-                if start == 0:
-                    check_graph_inputs(loss_chunk, [h_chunk, *params], "mini-sequence LM-head loss")
-                grads = torch.autograd.grad(loss_chunk, inputs, allow_unused=True)
-                require_gradients(grads, inputs, "mini-sequence LM-head loss")
-            total += loss_chunk.detach().to(total.device)
-            del loss_chunk  # frees the chunk's logits before the next chunk
+            total += chunk_sum.to(total.device)
+
+            inputs = ([h_chunk] if needs_hidden else []) + autograd_params
+            # Soft-capped: the weight gradient needs the gradient of the head's own output.
+            want_raw = weight is not None and raw is not logits
+            if want_raw:
+                inputs.append(raw)
+            grads = torch.autograd.grad(logits, inputs, grad_logits, allow_unused=True) if inputs else ()
+            require_gradients(grads, inputs, "mini-sequence LM-head loss")
+            if weight is not None:
+                grad_raw = grads[-1] if want_raw else grad_logits
+                _add_linear_weight_grad(acc[weight_index], grad_raw, h_chunk.detach())
+                grads = grads[:-1] if want_raw else grads
+                del grad_raw
+            del raw, logits, grad_logits  # frees the chunk's [C, V] buffers before the next chunk
             if needs_hidden:
                 grad_hidden[start:end].copy_(grads[0])
                 grads = grads[1:]
-            accumulate_grads(acc, grads)
+            # Back to one entry per wanted parameter (None for the weight done above).
+            grads = iter(grads)
+            accumulate_grads(acc, [None if p is weight else next(grads) for p in wanted_params])
 
         ctx.grad_hidden = grad_hidden
         ctx.param_grads = acc
         ctx.param_dtypes = [p.dtype for p in wanted_params]
         ctx.needs_param = needs_param
-        return total
+        return total / divisor
 
     @staticmethod
     def backward(ctx, grad_total):
