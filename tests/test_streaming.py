@@ -67,10 +67,8 @@ def test_flag_saved_and_reloaded(family, tmp_path):
 
 
 def test_auto_chunk_policy():
-    assert streaming.streaming_chunk_size("auto", 100) == streaming.AUTO_MIN_TOKENS
-    long = 64 * streaming.AUTO_MIN_TOKENS
-    assert streaming.streaming_chunk_size("auto", long) == long // streaming.AUTO_NUM_CHUNKS
-    assert streaming.streaming_chunk_size(7, long) == 7
+    assert streaming.streaming_chunk_size("auto", 4096) == 4096  # hidden_size query tokens
+    assert streaming.streaming_chunk_size(7, 4096) == 7
 
 
 def test_flag_assigned_after_construction_is_checked_at_use():
