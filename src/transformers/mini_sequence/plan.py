@@ -43,6 +43,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -51,16 +52,29 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from . import streaming
 from .memory import LiveTensorTracker
 from .support import SUPPORTED_MODEL_TYPES
 
 
 GIB = 2**30
-METHODS = {  # name -> (mini_sequence_chunk, gradient checkpointing)
-    "vanilla": (None, False),
-    "checkpointing": (None, True),
-    "mini_sequence": ("auto", False),
-    "mini_sequence+checkpointing": ("auto", True),
+
+
+class Method(NamedTuple):
+    """The settings a planned (or benchmarked) method trains with."""
+
+    mini_sequence_chunk: object  # None or "auto"
+    checkpointing: bool  # upstream's activation_checkpointing_enable()
+    streaming_backward_chunk: object = None  # None or "auto" (StreamBP; replaces checkpointing for its layers)
+
+
+METHODS = {
+    "vanilla": Method(None, False),
+    "checkpointing": Method(None, True),
+    "mini_sequence": Method("auto", False),
+    "mini_sequence+checkpointing": Method("auto", True),
+    "streaming": Method(None, False, "auto"),
+    "mini_sequence+streaming": Method("auto", False, "auto"),
 }
 # per parameter; "adamw-fp32-master": DeepSpeed/Trainer bf16 mixed precision (fp32 master weights + 2 fp32 states)
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw-bf16": 4, "adamw-fp32-master": 12, "none": 0}
@@ -137,6 +151,8 @@ def _flash_like_attention(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register(ATTENTION, _flash_like_attention)
 AttentionMaskInterface.register(ATTENTION, flash_attention_mask)  # no mask tensor without padding
+# Streamed layers call it per query chunk with mask=None, as FlashAttention (bottom-right causal) is called.
+streaming.BOTTOM_RIGHT_CAUSAL_ATTENTION.add(ATTENTION)
 
 
 def _send_buffer(tensor):
@@ -244,6 +260,22 @@ def check_parallel(parallel: Parallel, config, granularity: int, optimizer_in_ba
                         f"after the step; allowed only with --zero 0")
 
 
+def check_methods(methods, parallel: Parallel):
+    """Raise PlanError for an unknown method or one the parallel settings cannot plan."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise PlanError(f"--methods {' '.join(unknown)}: allowed {', '.join(METHODS)}")
+    streamed = [m for m in methods if METHODS[m].streaming_backward_chunk is not None]
+    if streamed and parallel.sp > 1:
+        raise PlanError(f"--methods {' '.join(streamed)} with --sp {parallel.sp}: streaming backward is not planned "
+                        f"with Ulysses sequence parallelism (allowed with --sp 1; other methods: "
+                        f"{', '.join(m for m in METHODS if m not in streamed)})")
+    if streamed and parallel.zero >= 3 and "inputs" in parallel.offload:
+        raise PlanError(f"--methods {' '.join(streamed)} with --zero 3 --offload inputs: not planned (under ZeRO-3 the "
+                        f"streamed layers run nested checkpoints, whose saved inputs this offload does not move); "
+                        f"use --zero 0-2 or drop 'inputs'")
+
+
 class _StepHooks:
     """Per-rank work the planner adds to a fake step for ZeRO-2/3 and layer-input offload."""
 
@@ -269,6 +301,30 @@ class _StepHooks:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             return _GatherInBackward.apply(output, self, module)
         return output
+
+    # --offload inputs for streamed layers: the one tensor a streamed layer saves for backward is its input;
+    # it goes to the host while the layer's forward runs (saved-tensor hooks entered and left around it).
+    def offload_saved_tensors(self, module, args):
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self.to_host, self.from_host)
+        self.saving.__enter__()
+
+    def stop_offloading(self, module, args, output):
+        self.saving.__exit__(None, None, None)
+
+    def to_host(self, tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        self.host_bytes += nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        return tensor.shape, tensor.dtype, tensor.device, nbytes  # nothing of it stays on the GPU
+
+    def from_host(self, packed):
+        # In the layer's backward: the input back on the GPU (for the whole layer backward), and the
+        # previous layer's input in flight (prefetch), as for checkpointed layers (_OffloadedCheckpoint).
+        shape, dtype, device, nbytes = packed
+        self.host_bytes -= nbytes
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        tensor.mst_prefetch = torch.empty(shape, dtype=dtype, device=device)  # lives as long as the input
+        return tensor
 
 
 def _gather(module):
@@ -359,7 +415,7 @@ class Planner:
         self.optimizer = optimizer
         self.optimizer_in_backward = optimizer_in_backward
         with FakeTensorMode():
-            self.num_params = sum(p.numel() for p in self._build(None, False)[0].parameters())
+            self.num_params = sum(p.numel() for p in self._build(METHODS["vanilla"])[0].parameters())
         # Weights (bf16) and optimizer states exist before a step; gradients are counted in it.
         # Per GPU: ZeRO-1 keeps 1/N of the optimizer states, ZeRO-3 also 1/N of the weights (its
         # gathered working set is measured in the step, as are gradients: ZeRO-2/3 shard them there).
@@ -372,13 +428,16 @@ class Planner:
         self.gradient_bytes = 0 if optimizer_in_backward else 2 * (
             math.ceil(self.num_params / n) if parallel.zero >= 2 else self.num_params)
 
-    def _build(self, chunk, checkpointing):
+    def _build(self, method: Method):
         # use_cache=False: training keeps no KV cache (checkpointing would turn it off with a warning).
-        config = self.config.__class__(**{**self.config.to_dict(), "mini_sequence_chunk": chunk, "use_cache": False})
+        config = self.config.__class__(**{**self.config.to_dict(), "mini_sequence_chunk": method.mini_sequence_chunk,
+                                          "streaming_backward_chunk": method.streaming_backward_chunk,
+                                          "use_cache": False})
         config._attn_implementation = _attention_name(self.parallel.sp)
         # bf16 whatever dtype the config.json names (from_config would otherwise follow config.dtype).
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.train()
+        checkpointing = method.checkpointing
         if checkpointing:  # 5.x name of gradient_checkpointing_enable(); non-reentrant by default
             model.activation_checkpointing_enable()
         if self.optimizer_in_backward:
@@ -393,7 +452,14 @@ class Planner:
                 if next(module.parameters(recurse=False), None) is not None:
                     module.register_forward_pre_hook(hooks.gather_for_forward)
                     module.register_forward_hook(hooks.release_after_forward)
-        if checkpointing and "inputs" in self.parallel.offload:
+        if method.streaming_backward_chunk is not None and "inputs" in self.parallel.offload:
+            layers = [m for m in model.modules() if streaming.applies(m)]
+            if not layers:
+                raise PlanError(f"{type(model).__name__}: no streamed decoder layers found for --offload inputs")
+            for layer in layers:
+                layer.register_forward_pre_hook(hooks.offload_saved_tensors)
+                layer.register_forward_hook(hooks.stop_offloading)
+        elif checkpointing and "inputs" in self.parallel.offload:
             layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
             if not layers:
                 raise PlanError(f"{type(model).__name__}: no checkpointed decoder layers found for --offload inputs")
@@ -405,9 +471,9 @@ class Planner:
         """Peak live bytes allocated on one GPU by one forward + backward at `seq_len` tokens (the
         rank runs seq_len / sp of them; fake tensors unless fake=False, which runs the same step
         for real: the tests compare the two)."""
-        chunk, checkpointing = METHODS[method]
+        check_methods([method], self.parallel)
         with FakeTensorMode() if fake else contextlib.nullcontext():
-            model, hooks = self._build(chunk, checkpointing)
+            model, hooks = self._build(METHODS[method])
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
             with LiveTensorTracker(keep_largest=0) as tracker:
                 model(input_ids=ids, labels=ids).loss.backward()
@@ -477,10 +543,12 @@ def search_max_fitting(peak, budget, granularity, limit):
 def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024,
          gpus=1, zero=0, sp=1, offload=(), methods=None):
     parallel = Parallel(gpus, zero, sp, tuple(offload))
-    methods = list(METHODS) if methods is None else list(methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise PlanError(f"--methods {' '.join(unknown)}: allowed {', '.join(METHODS)}")
+    if methods is None:  # every method these settings can plan
+        methods = [m for m in METHODS if sp == 1 or METHODS[m].streaming_backward_chunk is None]
+        if zero >= 3 and "inputs" in parallel.offload:
+            methods = [m for m in methods if METHODS[m].streaming_backward_chunk is None]
+    methods = list(methods)
+    check_methods(methods, parallel)
     config = load_config(model)
     if gpu_memory_gib <= 0:
         raise PlanError(f"--gpu-memory-gib must be positive, got {gpu_memory_gib}")
