@@ -240,8 +240,10 @@ def sweep_streaming(args, device):
 
     gemma2      Gemma-2 (bench config, eager attention) at --gemma2-seq: peak of a full training step,
                 flag off against mini_sequence_chunk="auto" alone and with streaming_backward_chunk="auto";
-    activation  Llama BASE at --activation-seq, fp32 and bf16: activation memory = step peak minus weights,
-                gradients and optimizer states, mini_sequence+streaming against mini_sequence+checkpointing;
+    activation  Llama BASE at --activation-seq, fp32 and bf16: activation memory = peak of one forward +
+                backward minus weights and gradients (the optimizer is left out: its states are the same for
+                both and its step allocates no activations; one pass per point, as S=32K costs minutes on CPU),
+                mini_sequence+streaming against mini_sequence+checkpointing;
     chunks      Llama BASE at each --chunk-seq: mini_sequence+checkpointing and mini_sequence+streaming with
                 each --streaming-chunks value, steps interleaved: peak and median step time (the "auto" row
                 against mini_sequence+checkpointing is the step-time target).
@@ -277,10 +279,25 @@ def sweep_streaming(args, device):
     if "activation" in args.parts:
         seq = args.activation_seq
         for dtype in (torch.float32, torch.bfloat16):
-            trainees = {name: trainee("llama", METHODS[name], seq, device, dtype)
-                        for name in ("mini_sequence+checkpointing", "mini_sequence+streaming")}
-            run("activation", "llama", dtype, seq, trainees, 0, "mini_sequence+checkpointing")
-            del trainees
+            results = {}
+            for name in ("mini_sequence+checkpointing", "mini_sequence+streaming"):
+                t = trainee("llama", METHODS[name], seq, device, dtype)
+                weights = resident_training_bytes(t.model)
+                grads = sum(q.numel() * q.element_size() for q in t.model.parameters() if q.requires_grad)
+                print(f"streaming: activation {name} {dtype} S={seq} ...", file=sys.stderr, flush=True)
+                with LiveTensorTracker() as tracker:  # (CPU; on CUDA use the chunks part)
+                    loss = t.model(input_ids=t.ids, labels=t.ids).loss
+                    loss.backward()
+                results[name] = (weights + tracker.peak_bytes, tracker.peak_bytes - grads, loss.item())
+                del t, loss
+            ref = results["mini_sequence+checkpointing"]
+            for name, (peak, activation, loss) in results.items():
+                rows.append({"part": "activation", "family": "llama", "dtype": str(dtype).removeprefix("torch."),
+                             "seq_len": seq, "setting": name, "peak_MiB": round(peak / MIB, 1),
+                             "activation_MiB": round(activation / MIB, 1), "step_time_s": None,
+                             "first_loss": round(loss, 6), "reference": "mini_sequence+checkpointing",
+                             "peak_vs_ref": round(peak / ref[0], 3), "activation_vs_ref": round(activation / ref[1], 3),
+                             "time_vs_ref": None})
     if "chunks" in args.parts:
         for seq in args.chunk_seq:
             trainees = {"mini_sequence+checkpointing": trainee("llama", ms_ckpt, seq, device, args.dtype)}
@@ -426,14 +443,15 @@ def main(argv=None):
         header = header.replace(f", {str(args.dtype).removeprefix('torch.')};", ", dtype per row;")
         header = header.replace(f"median of {args.repeats} steps", f"median of {args.repeats} interleaved steps (chunks part)")
         summary = streaming_summary(rows)
-        write(rows, args.out, "streaming", f"{header}\n\nTargets (issue 7), from this run:\n{summary}")
+        name = "streaming" if set(args.parts) == set(STREAMING_PARTS) else "streaming_" + "_".join(args.parts)
+        write(rows, args.out, name, f"{header}\n\nTargets (issue 7), from this run:\n{summary}")
         chunks = [dict(r, S=f"S={r['seq_len']}", chunk=int(r["setting"].rpartition("=")[2])) for r in rows
                   if r["part"] == "chunks" and "chunk=" in r["setting"] and r["setting"][-1].isdigit()]
         if chunks:
             plot(chunks, "chunk", "step_time_s", "S", f"mini_sequence+streaming: step time vs chunk\n{where}",
-                 args.out / "streaming_chunks_time.png", "step time (s)", logx=True)
+                 args.out / f"{name}_chunks_time.png", "step time (s)", logx=True)
             plot(chunks, "chunk", "peak_MiB", "S", f"mini_sequence+streaming: peak vs chunk\n{where}",
-                 args.out / "streaming_chunks_memory.png", "peak (MiB)", logx=True)
+                 args.out / f"{name}_chunks_memory.png", "peak (MiB)", logx=True)
 
 
 if __name__ == "__main__":

@@ -286,9 +286,6 @@ def test_streaming_plans_below_checkpointing_at_long_sequences():
     hidden = seq * TINY["hidden_size"] * 2  # one bf16 [S, d] tensor
     assert ms_stream <= ms_ckpt - 2 * hidden, (ms_ckpt, ms_stream)
     assert planner.step_peak_bytes("streaming", seq) <= planner.step_peak_bytes("checkpointing", seq)
-    budget = int(0.12 * 2**30)
-    assert planner.max_seq_len("mini_sequence+streaming", budget, 1024) > planner.max_seq_len(
-        "mini_sequence+checkpointing", budget, 1024)
 
 
 def test_streamed_layer_input_offload():

@@ -4,8 +4,8 @@
     python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 \
         --gpus 8 --zero 3 --sp 8 --offload optimizer inputs   # per GPU of 8 (ZeRO-3, Ulysses)
 
-For each method (vanilla, checkpointing, mini_sequence, mini_sequence+checkpointing) it runs
-one training step (forward + backward) of the full-size model under `FakeTensorMode` on the
+For each method (vanilla, checkpointing, mini_sequence, mini_sequence+checkpointing, streaming,
+mini_sequence+streaming) it runs one training step (forward + backward) of the full-size model under `FakeTensorMode` on the
 CPU device (tensors have shapes and dtypes but no memory; a fake `cuda` device crashes the
 CPU build of torch, so fake CPU stands in for the GPU), measures the peak of live tensor bytes
 with `LiveTensorTracker`, adds the resident weights and optimizer states, and searches the
@@ -28,7 +28,12 @@ Assumptions (printed with every result):
   but HF's mask code, given fake tensors under gradient checkpointing, builds an [S, S] bool mask
   that a real run does not; the stand-in avoids that artefact;
 - "mini_sequence" is `mini_sequence_chunk="auto"`; gradient checkpointing is upstream's
-  `activation_checkpointing_enable()` (5.x name of `gradient_checkpointing_enable`; non-reentrant).
+  `activation_checkpointing_enable()` (5.x name of `gradient_checkpointing_enable`; non-reentrant);
+- "streaming" is `streaming_backward_chunk` = --streaming-chunk (default "auto"), without
+  checkpointing (it replaces it): each decoder layer keeps its input, and its backward recomputes
+  K/V and then one query chunk at a time; the stand-in attention runs each chunk against its causal
+  key prefix with no mask tensor, as FlashAttention does (streaming's SDPA path builds a bool
+  [chunk, prefix] mask per chunk, not counted here);
 Left out: the CUDA context and library workspaces (cuBLAS, NCCL: typically 0.5-2 GiB),
 allocator fragmentation and caching, kernels' scratch memory (e.g. FlashAttention-2's backward
 allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all heads: up to about
@@ -53,6 +58,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from . import streaming
+from .config import validate_streaming_backward_chunk
 from .memory import LiveTensorTracker
 from .support import SUPPORTED_MODEL_TYPES
 
@@ -112,8 +118,10 @@ Multi-GPU (--gpus/--zero/--sp/--offload), per GPU (rank); every figure is an est
 - --offload optimizer: the optimizer states (fp32 master weights included with
   adamw-fp32-master) live in host memory and the step runs there; gradients stay on the GPU as
   the ZeRO stage shards them;
-- --offload inputs (with checkpointing): each decoder layer's checkpointed input [S/sp, d] goes to
-  host memory in forward; in backward one is on the GPU in use and one more in flight (prefetch);
+- --offload inputs (with checkpointing or streaming): each decoder layer's checkpointed (streamed:
+  saved) input [S/sp, d] goes to host memory in forward; in backward one is on the GPU in use (whole,
+  for the layer's whole backward) and one more in flight (prefetch); streaming is planned with sp=1
+  only, and not with ZeRO-3 + --offload inputs;
 - left out as well: DeepSpeed's communication buckets (reduce_bucket_size, stage3 prefetch and
   max-live-parameters buffers: set them small), NCCL buffers, parameter prefetching beyond one
   module, pinned-memory staging; host memory counts only offloaded tensors (per GPU: multiply by
@@ -404,9 +412,17 @@ def load_config(model: str):
 
 
 class Planner:
-    def __init__(self, config, optimizer="adamw", optimizer_in_backward=False, parallel=None, granularity=1024):
+    def __init__(self, config, optimizer="adamw", optimizer_in_backward=False, parallel=None, granularity=1024,
+                 streaming_chunk="auto"):
         if optimizer not in OPTIMIZER_STATE_BYTES:
             raise PlanError(f"--optimizer {optimizer!r}: allowed {', '.join(OPTIMIZER_STATE_BYTES)}")
+        try:
+            validate_streaming_backward_chunk(streaming_chunk)
+        except ValueError as err:
+            raise PlanError(f"--streaming-chunk {streaming_chunk!r}: {err}") from None
+        if streaming_chunk is None:
+            raise PlanError('--streaming-chunk None: allowed "auto" or a positive int (query tokens per chunk)')
+        self.streaming_chunk = streaming_chunk  # streaming_backward_chunk of the streamed methods
         self.parallel = parallel = parallel or Parallel()
         check_parallel(parallel, config, granularity, optimizer_in_backward)
         self.config = config
@@ -431,7 +447,8 @@ class Planner:
     def _build(self, method: Method):
         # use_cache=False: training keeps no KV cache (checkpointing would turn it off with a warning).
         config = self.config.__class__(**{**self.config.to_dict(), "mini_sequence_chunk": method.mini_sequence_chunk,
-                                          "streaming_backward_chunk": method.streaming_backward_chunk,
+                                          "streaming_backward_chunk": None if method.streaming_backward_chunk is None
+                                          else self.streaming_chunk,
                                           "use_cache": False})
         config._attn_implementation = _attention_name(self.parallel.sp)
         # bf16 whatever dtype the config.json names (from_config would otherwise follow config.dtype).
@@ -541,7 +558,7 @@ def search_max_fitting(peak, budget, granularity, limit):
 
 
 def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024,
-         gpus=1, zero=0, sp=1, offload=(), methods=None):
+         gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto"):
     parallel = Parallel(gpus, zero, sp, tuple(offload))
     if methods is None:  # every method these settings can plan
         methods = [m for m in METHODS if sp == 1 or METHODS[m].streaming_backward_chunk is None]
@@ -554,7 +571,7 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
         raise PlanError(f"--gpu-memory-gib must be positive, got {gpu_memory_gib}")
     if granularity <= 0:
         raise PlanError(f"--granularity must be a positive number of tokens, got {granularity}")
-    planner = Planner(config, optimizer, optimizer_in_backward, parallel, granularity)
+    planner = Planner(config, optimizer, optimizer_in_backward, parallel, granularity, streaming_chunk)
     budget = int(gpu_memory_gib * GIB)
     state = planner.resident_bytes + planner.gradient_bytes
     settings = f"--optimizer {optimizer}{' --optimizer-in-backward' if optimizer_in_backward else ''}"
@@ -569,6 +586,7 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
         )
     result = {"model": model, "parameters": planner.num_params, "gpu_memory_gib": gpu_memory_gib,
               "optimizer": optimizer, "optimizer_in_backward": optimizer_in_backward,
+              "streaming_chunk": streaming_chunk,
               "resident_gib": round(planner.resident_bytes / GIB, 2), "granularity": granularity,
               "measured_on": "FakeTensorMode on the CPU device, standing in for the GPU (a fake cuda device "
                              "crashes the CPU build of torch)",
@@ -593,6 +611,15 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
     return result
 
 
+def _streaming_chunk_arg(value):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'{value!r}: allowed "auto" or a positive int') from None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m transformers.mini_sequence.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -609,11 +636,13 @@ def main(argv=None):
                         help="keep in host memory: optimizer states, checkpointed layer inputs, or both")
     parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
                         help="plan only these methods (default: all; each long search costs minutes)")
+    parser.add_argument("--streaming-chunk", default="auto", type=_streaming_chunk_arg,
+                        help='streaming_backward_chunk of the streamed methods: "auto" (default) or query tokens per chunk')
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
         result = plan(args.model, args.gpu_memory_gib, args.optimizer, args.optimizer_in_backward, args.granularity,
-                      args.gpus, args.zero, args.sp, args.offload, args.methods)
+                      args.gpus, args.zero, args.sp, args.offload, args.methods, args.streaming_chunk)
     except PlanError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if args.json:
