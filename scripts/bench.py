@@ -449,9 +449,9 @@ def main(argv=None):
                   if r["part"] == "chunks" and "chunk=" in r["setting"] and r["setting"][-1].isdigit()]
         if chunks:
             plot(chunks, "chunk", "step_time_s", "S", f"mini_sequence+streaming: step time vs chunk\n{where}",
-                 args.out / f"{name}_chunks_time.png", "step time (s)", logx=True)
+                 args.out / "streaming_chunks_time.png", "step time (s)", logx=True)
             plot(chunks, "chunk", "peak_MiB", "S", f"mini_sequence+streaming: peak vs chunk\n{where}",
-                 args.out / f"{name}_chunks_memory.png", "peak (MiB)", logx=True)
+                 args.out / "streaming_chunks_memory.png", "peak (MiB)", logx=True)
 
 
 if __name__ == "__main__":
