@@ -1,11 +1,15 @@
-"""Memory and time of training with and without mini-sequences. Three sweeps:
+"""Memory and time of training with and without mini-sequences. Four sweeps:
 
   methods   one model family, a sweep of sequence lengths S, the methods vanilla,
-            checkpointing, mini_sequence, mini_sequence+checkpointing: peak memory and step
-            time of one full training step (forward, backward, AdamW step).
+            checkpointing, mini_sequence, mini_sequence+checkpointing, streaming,
+            mini_sequence+streaming: peak memory and step time of one full training step
+            (forward, backward, AdamW step).
   blocks    the paper's App. F sweep (Tables 13-16): the MLP block and the LM-head + loss
             block alone, time and peak memory vs the number of mini-sequences M and S.
   families  the four families at one S, flag off vs on (issue-3 targets).
+  streaming StreamBP's CPU targets (issue 7): Gemma-2 peak vs flag off, activation memory
+            vs mini_sequence+checkpointing at 32K (fp32, bf16), and a sweep of
+            streaming_backward_chunk values (time and peak) at 8K/16K.
 
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`
 (everything: weights, gradients, optimizer states, activations). On CPU the exact peak of
@@ -35,7 +39,7 @@ import transformers
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.mini_sequence import LiveTensorTracker, mini_sequence_causal_lm_loss, mini_sequence_mlp
 from transformers.mini_sequence.memory import resident_training_bytes
-from transformers.mini_sequence.plan import METHODS  # name -> (mini_sequence_chunk, gradient checkpointing)
+from transformers.mini_sequence.plan import METHODS, Method  # name -> (mini_sequence_chunk, checkpointing, streaming)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -49,6 +53,7 @@ FAMILIES = {
 BASE = dict(hidden_size=256, intermediate_size=1024, vocab_size=32000, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1 << 17)
 MIB = 2**20
+STREAMING_PARTS = ("gemma2", "activation", "chunks")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -58,9 +63,10 @@ def device_of(name):
     return torch.device(name)
 
 
-def build(family, chunk, checkpointing, device, dtype=torch.float32, **overrides):
+def build(family, chunk, checkpointing, device, dtype=torch.float32, streaming=None, **overrides):
     config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**BASE, **extra, **overrides}, mini_sequence_chunk=chunk)
+    config = getattr(transformers, config_name)(**{**BASE, **extra, **overrides}, mini_sequence_chunk=chunk,
+                                                streaming_backward_chunk=streaming)
     if device.type == "cuda" and family != "gemma2":
         config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -82,8 +88,8 @@ def sync(device):
 class Trainee:
     """A model, its AdamW and a batch: `step()` runs one full training step."""
 
-    def __init__(self, family, chunk, checkpointing, seq, device, dtype):
-        self.model = build(family, chunk, checkpointing, device, dtype)
+    def __init__(self, family, chunk, checkpointing, seq, device, dtype, streaming=None):
+        self.model = build(family, chunk, checkpointing, device, dtype, streaming)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.ids = tokens(seq, self.model.config.vocab_size, device)
         self.device = device
@@ -114,6 +120,11 @@ class Trainee:
         return resident + tracker.peak_bytes, loss
 
 
+def trainee(family, method: Method, seq, device, dtype):
+    return Trainee(family, method.mini_sequence_chunk, method.checkpointing, seq, device, dtype,
+                   method.streaming_backward_chunk)
+
+
 def compare_steps(trainees, repeats, progress):
     """Warm-up (allocates optimizer states), one measured-memory step, then interleaved timed steps."""
     results = {}
@@ -127,7 +138,8 @@ def compare_steps(trainees, repeats, progress):
             results[name]["times"].append(trainee.timed_step())
             progress.update(1)
     for r in results.values():
-        r["step_time_s"] = statistics.median(r.pop("times"))
+        times = r.pop("times")
+        r["step_time_s"] = statistics.median(times) if times else None  # repeats=0: memory only
     return results
 
 
@@ -139,7 +151,7 @@ def sweep_methods(args, device):
     steps = len(args.seq) * len(METHODS) * (2 + args.repeats)
     with tqdm(total=steps, desc=f"methods ({args.family})", file=sys.stderr) as progress:
         for seq in args.seq:
-            trainees = {m: Trainee(args.family, c, ckpt, seq, device, args.dtype) for m, (c, ckpt) in METHODS.items()}
+            trainees = {m: trainee(args.family, method, seq, device, args.dtype) for m, method in METHODS.items()}
             for method, r in compare_steps(trainees, args.repeats, progress).items():
                 rows.append({"family": args.family, "seq_len": seq, "method": method, **r})
             del trainees
@@ -223,6 +235,97 @@ def sweep_families(args, device):
     return rows
 
 
+def sweep_streaming(args, device):
+    """StreamBP (issue 7) on the CPU targets, one run, every point measured here:
+
+    gemma2      Gemma-2 (bench config, eager attention) at --gemma2-seq: peak of a full training step,
+                flag off against mini_sequence_chunk="auto" alone and with streaming_backward_chunk="auto";
+    activation  Llama BASE at --activation-seq, fp32 and bf16: activation memory = peak of one forward +
+                backward minus weights and gradients (the optimizer is left out: its states are the same for
+                both and its step allocates no activations; one pass per point, as S=32K costs minutes on CPU),
+                mini_sequence+streaming against mini_sequence+checkpointing;
+    chunks      Llama BASE at each --chunk-seq: mini_sequence+checkpointing and mini_sequence+streaming with
+                each --streaming-chunks value, steps interleaved: peak and median step time (the "auto" row
+                against mini_sequence+checkpointing is the step-time target).
+    """
+    rows = []
+    ms_ckpt, ms_stream = METHODS["mini_sequence+checkpointing"], METHODS["mini_sequence+streaming"]
+
+    def run(part, family, dtype, seq, trainees, repeats, reference):
+        with tqdm(total=len(trainees) * (2 + repeats), desc=f"streaming: {part} S={seq}", file=sys.stderr) as progress:
+            results = compare_steps(trainees, repeats, progress)
+        ref = results[reference]
+        for name, r in results.items():
+            model = trainees[name].model
+            state = resident_training_bytes(model, trainees[name].optimizer) + sum(
+                q.numel() * q.element_size() for q in model.parameters() if q.requires_grad)  # + gradients
+            rows.append({"part": part, "family": family, "dtype": str(dtype).removeprefix("torch."), "seq_len": seq,
+                         "setting": name, "peak_MiB": round(r["peak_bytes"] / MIB, 1),
+                         "activation_MiB": round((r["peak_bytes"] - state) / MIB, 1),
+                         "step_time_s": round(r["step_time_s"], 3) if repeats else None,
+                         "first_loss": round(r["first_loss"], 6), "reference": reference,
+                         "peak_vs_ref": round(r["peak_bytes"] / ref["peak_bytes"], 3),
+                         "activation_vs_ref": round((r["peak_bytes"] - state) / (ref["peak_bytes"] - state), 3),
+                         "time_vs_ref": round(r["step_time_s"] / ref["step_time_s"], 3) if repeats else None})
+        return results
+
+    if "gemma2" in args.parts:
+        seq = args.gemma2_seq
+        settings = {"flag off": Method(None, False), "mini_sequence": METHODS["mini_sequence"],
+                    "mini_sequence+streaming": ms_stream}
+        trainees = {name: trainee("gemma2", m, seq, device, torch.float32) for name, m in settings.items()}
+        run("gemma2", "gemma2", torch.float32, seq, trainees, 0, "flag off")
+        del trainees
+    if "activation" in args.parts:
+        seq = args.activation_seq
+        for dtype in (torch.float32, torch.bfloat16):
+            results = {}
+            for name in ("mini_sequence+checkpointing", "mini_sequence+streaming"):
+                t = trainee("llama", METHODS[name], seq, device, dtype)
+                weights = resident_training_bytes(t.model)
+                grads = sum(q.numel() * q.element_size() for q in t.model.parameters() if q.requires_grad)
+                print(f"streaming: activation {name} {dtype} S={seq} ...", file=sys.stderr, flush=True)
+                with LiveTensorTracker() as tracker:  # (CPU; on CUDA use the chunks part)
+                    loss = t.model(input_ids=t.ids, labels=t.ids).loss
+                    loss.backward()
+                results[name] = (weights + tracker.peak_bytes, tracker.peak_bytes - grads, loss.item())
+                del t, loss
+            ref = results["mini_sequence+checkpointing"]
+            for name, (peak, activation, loss) in results.items():
+                rows.append({"part": "activation", "family": "llama", "dtype": str(dtype).removeprefix("torch."),
+                             "seq_len": seq, "setting": name, "peak_MiB": round(peak / MIB, 1),
+                             "activation_MiB": round(activation / MIB, 1), "step_time_s": None,
+                             "first_loss": round(loss, 6), "reference": "mini_sequence+checkpointing",
+                             "peak_vs_ref": round(peak / ref[0], 3), "activation_vs_ref": round(activation / ref[1], 3),
+                             "time_vs_ref": None})
+    if "chunks" in args.parts:
+        for seq in args.chunk_seq:
+            trainees = {"mini_sequence+checkpointing": trainee("llama", ms_ckpt, seq, device, args.dtype)}
+            for chunk in args.streaming_chunks:
+                trainees[f"mini_sequence+streaming chunk={chunk}"] = trainee(
+                    "llama", ms_stream._replace(streaming_backward_chunk=chunk), seq, device, args.dtype)
+            run("chunks", "llama", args.dtype, seq, trainees, args.repeats, "mini_sequence+checkpointing")
+            del trainees
+    return rows
+
+
+def streaming_summary(rows):
+    """The issue-7 CPU targets, from the rows just measured."""
+    lines = []
+    for r in rows:
+        if r["part"] == "gemma2" and r["setting"] == "mini_sequence+streaming":
+            lines.append(f"- Gemma-2 S={r['seq_len']}: peak with both flags {r['peak_vs_ref']} of flag off (target <= 0.30)")
+        if r["part"] == "activation" and r["setting"] == "mini_sequence+streaming":
+            lines.append(f"- Llama d={BASE['hidden_size']} S={r['seq_len']} {r['dtype']}: activation memory "
+                         f"{r['activation_MiB']} MiB = {r['activation_vs_ref']} of mini_sequence+checkpointing's "
+                         f"(target <= 0.5)")
+        if r["part"] == "chunks" and r["setting"] == "mini_sequence+streaming chunk=auto":
+            lines.append(f"- Llama S={r['seq_len']} {r['dtype']}: step time mini_sequence+streaming (auto) "
+                         f"{r['step_time_s']} s = {r['time_vs_ref']}x mini_sequence+checkpointing's, speed "
+                         f"{round(1 / r['time_vs_ref'], 3)}x (target >= 0.8x); peak {r['peak_vs_ref']} of its peak")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -268,7 +371,7 @@ def write(rows, out, name, header):
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep", choices=["methods", "blocks", "families"])
+    parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming"])
     parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="for `methods`")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), help="for `families`")
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default per sweep)")
@@ -276,6 +379,13 @@ def build_parser():
     parser.add_argument("--chunk", default="auto", help='mini_sequence_chunk for `families` (default "auto")')
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on, for `families`")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (median)")
+    parser.add_argument("--parts", nargs="+", default=list(STREAMING_PARTS), choices=list(STREAMING_PARTS),
+                        help="for `streaming`: which parts to run")
+    parser.add_argument("--gemma2-seq", type=int, default=4096, help="for `streaming` (gemma2 part)")
+    parser.add_argument("--activation-seq", type=int, default=32768, help="for `streaming` (activation part)")
+    parser.add_argument("--chunk-seq", type=int, nargs="+", default=[8192, 16384], help="for `streaming` (chunks part)")
+    parser.add_argument("--streaming-chunks", nargs="+", default=["256", "512", "1024", "2048", "4096", "auto"],
+                        help='streaming_backward_chunk values for `streaming` (chunks part): ints or "auto"')
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=REPO / "out" / "bench",
@@ -289,9 +399,18 @@ def main(argv=None):
     if args.chunk != "auto":
         args.chunk = int(args.chunk)
     args.dtype = getattr(torch, args.dtype)
-    args.seq = args.seq or {"methods": [1024, 2048, 4096, 8192], "blocks": [2048, 8192], "families": [4096]}[args.sweep]
+    args.seq = args.seq or {"methods": [1024, 2048, 4096, 8192], "blocks": [2048, 8192], "families": [4096],
+                           "streaming": [4096]}[args.sweep]  # (streaming has its own --*-seq options)
     if any(s < 2 for s in args.seq) or args.repeats < 1:
         parser.error("--seq values must be >= 2 and --repeats >= 1")
+    if min(args.gemma2_seq, args.activation_seq, *args.chunk_seq) < 2:
+        parser.error("--gemma2-seq, --activation-seq and --chunk-seq values must be >= 2")
+    try:
+        args.streaming_chunks = [c if c == "auto" else int(c) for c in args.streaming_chunks]
+    except ValueError:
+        parser.error(f'--streaming-chunks {" ".join(args.streaming_chunks)}: each must be a positive int or "auto"')
+    if any(c != "auto" and c < 1 for c in args.streaming_chunks):
+        parser.error(f'--streaming-chunks: each must be a positive int or "auto", got {args.streaming_chunks}')
     device = device_of(args.device)
 
     where = (f"{torch.cuda.get_device_name(device)} (CUDA allocator peak)" if device.type == "cuda"
@@ -316,9 +435,23 @@ def main(argv=None):
                  args.out / f"blocks_{block}_memory.png", "peak (MiB)", logx=True)
             plot(part, "mini_sequences", "time_s", "S", f"{block}: time vs M (App. F)\n{where}",
                  args.out / f"blocks_{block}_time.png", "forward + backward (s)", logx=True)
-    else:
+    elif args.sweep == "families":
         rows = sweep_families(args, device)
         write(rows, args.out, "families", header)
+    else:
+        rows = sweep_streaming(args, device)
+        header = header.replace(f", {str(args.dtype).removeprefix('torch.')};", ", dtype per row;")
+        header = header.replace(f"median of {args.repeats} steps", f"median of {args.repeats} interleaved steps (chunks part)")
+        summary = streaming_summary(rows)
+        name = "streaming" if set(args.parts) == set(STREAMING_PARTS) else "streaming_" + "_".join(args.parts)
+        write(rows, args.out, name, f"{header}\n\nTargets (issue 7), from this run:\n{summary}")
+        chunks = [dict(r, S=f"S={r['seq_len']}", chunk=int(r["setting"].rpartition("=")[2])) for r in rows
+                  if r["part"] == "chunks" and "chunk=" in r["setting"] and r["setting"][-1].isdigit()]
+        if chunks:
+            plot(chunks, "chunk", "step_time_s", "S", f"mini_sequence+streaming: step time vs chunk\n{where}",
+                 args.out / "streaming_chunks_time.png", "step time (s)", logx=True)
+            plot(chunks, "chunk", "peak_MiB", "S", f"mini_sequence+streaming: peak vs chunk\n{where}",
+                 args.out / "streaming_chunks_memory.png", "peak (MiB)", logx=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from conftest import run_py
 from transformers.mini_sequence import LiveTensorTracker, plan
 
 TINY = dict(vocab_size=8000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4)
+STREAMED = [m for m, settings in plan.METHODS.items() if settings.streaming_backward_chunk is not None]
+UNSTREAMED = [m for m in plan.METHODS if m not in STREAMED]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,8 @@ def test_standin_attention_equals_real_sdpa():
     real on the CPU (flash CPU kernel, enable_gqa): same step peak, every method, with GQA."""
     config = transformers.LlamaConfig(**TINY, num_key_value_heads=2)
     planner = plan.Planner(config)
-    for method, (chunk, checkpointing) in plan.METHODS.items():
+    for method in UNSTREAMED:  # (streamed layers call SDPA with a chunk mask the stand-in does without)
+        chunk, checkpointing, _ = plan.METHODS[method]
         model_config = transformers.LlamaConfig(**TINY, num_key_value_heads=2, mini_sequence_chunk=chunk,
                                                     use_cache=False)
         model_config._attn_implementation = "sdpa"
@@ -149,9 +152,10 @@ def _reference_single_gpu_peak(method, seq_len, optimizer_bytes):
     tracked peak of one fake step of the model with the planner's stand-in attention."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    chunk, checkpointing = plan.METHODS[method]
+    chunk, checkpointing, streaming = plan.METHODS[method]
     with FakeTensorMode():
-        config = transformers.LlamaConfig(**TINY, mini_sequence_chunk=chunk, use_cache=False)
+        config = transformers.LlamaConfig(**TINY, mini_sequence_chunk=chunk, streaming_backward_chunk=streaming,
+                                          use_cache=False)
         config._attn_implementation = plan.ATTENTION
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
         if checkpointing:
@@ -205,7 +209,7 @@ def test_sequence_parallel_lowers_the_activation_peak():
     config = transformers.LlamaConfig(**GQA)
     sp1 = plan.Planner(config, parallel=plan.Parallel(2, 0, 1))
     sp2 = plan.Planner(config, parallel=plan.Parallel(2, 0, 2))
-    for method in plan.METHODS:
+    for method in UNSTREAMED:  # streaming is not planned with sp > 1 (test_streamed_methods_refuse_ulysses)
         one, two = sp1.step_peak_bytes(method, 2048), sp2.step_peak_bytes(method, 2048)
         assert two < one, (method, one, two)  # mini_sequence: 1024 tokens per rank take the one-chunk head path
 
@@ -229,7 +233,7 @@ def test_multi_gpu_json_and_table(capsys, tiny_config):
     result = json.loads(out)
     assert (result["gpus"], result["zero"], result["sp"], result["offload"]) == (4, 3, 2, ["inputs"])
     ckpt = result["max_seq_len"]["checkpointing"]
-    assert ckpt > 0 and ckpt % 512 == 0 and set(result["host_gib_at_max"]) == set(plan.METHODS)
+    assert ckpt > 0 and ckpt % 512 == 0 and set(result["host_gib_at_max"]) == set(UNSTREAMED)  # sp=2: no streaming
     assert all(p <= 0.06 for p in result["peak_gib_at_max"].values() if p is not None)
     assert "Ulysses" in result["assumptions"] and "all-to-all" in result["assumptions"]
     code, out, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "0.12", "--granularity", "512",
@@ -267,3 +271,43 @@ def test_bad_parallel_settings_fail_before_measuring(capsys, tiny_config, monkey
     with pytest.raises(plan.PlanError, match="key/value heads"):
         plan.Planner(transformers.LlamaConfig(**dict(TINY, hidden_size=384, num_attention_heads=12, num_key_value_heads=3)),
                      parallel=plan.Parallel(4, 0, 4))
+
+
+# --- streaming backward (StreamBP) ----------------------------------------------------------------------------
+
+
+def test_streaming_plans_below_checkpointing_at_long_sequences():
+    """At 16K tokens checkpointing's recompute of a whole layer (q, attention output, MLP activations of all S
+    tokens) sets the step peak; a streamed layer keeps its input, K/V and one chunk instead."""
+    planner = plan.Planner(transformers.LlamaConfig(**TINY), optimizer="none", optimizer_in_backward=True)
+    seq = 16384
+    ms_ckpt = planner.step_peak_bytes("mini_sequence+checkpointing", seq)
+    ms_stream = planner.step_peak_bytes("mini_sequence+streaming", seq)
+    hidden = seq * TINY["hidden_size"] * 2  # one bf16 [S, d] tensor
+    assert ms_stream <= ms_ckpt - 2 * hidden, (ms_ckpt, ms_stream)
+    assert planner.step_peak_bytes("streaming", seq) <= planner.step_peak_bytes("checkpointing", seq)
+
+
+def test_streamed_layer_input_offload():
+    """--offload inputs with streaming: each layer's saved input [S, d] is in host memory after the forward
+    (host peak = all of them), and the GPU peak drops."""
+    config = transformers.LlamaConfig(**GQA)
+    kept = plan.Planner(config, optimizer="none", optimizer_in_backward=True)
+    offloaded = plan.Planner(config, optimizer="none", optimizer_in_backward=True,
+                             parallel=plan.Parallel(1, 0, 1, ("inputs",)))
+    seq = 16384
+    layer_inputs = TINY["num_hidden_layers"] * seq * TINY["hidden_size"] * 2
+    for method in STREAMED:
+        assert offloaded.host_bytes(method, seq) == layer_inputs, method
+        assert kept.host_bytes(method, seq) == 0
+        assert offloaded.step_peak_bytes(method, seq) < kept.step_peak_bytes(method, seq), method
+
+
+def test_streamed_methods_refuse_ulysses(tiny_config):
+    with pytest.raises(plan.PlanError, match=r"--methods streaming with --sp 2: streaming backward is not planned"):
+        plan.plan(str(tiny_config), 80, gpus=2, sp=2, methods=["streaming"])
+    planner = plan.Planner(transformers.LlamaConfig(**GQA), parallel=plan.Parallel(2, 0, 2))
+    with pytest.raises(plan.PlanError, match="allowed with --sp 1"):
+        planner.step_peak_bytes("mini_sequence+streaming", 1024)
+    with pytest.raises(plan.PlanError, match="--zero 3 --offload inputs: not planned"):
+        plan.plan(str(tiny_config), 80, gpus=2, zero=3, offload=["inputs"], methods=["mini_sequence+streaming"])

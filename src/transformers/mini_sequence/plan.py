@@ -4,8 +4,8 @@
     python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 \
         --gpus 8 --zero 3 --sp 8 --offload optimizer inputs   # per GPU of 8 (ZeRO-3, Ulysses)
 
-For each method (vanilla, checkpointing, mini_sequence, mini_sequence+checkpointing) it runs
-one training step (forward + backward) of the full-size model under `FakeTensorMode` on the
+For each method (vanilla, checkpointing, mini_sequence, mini_sequence+checkpointing, streaming,
+mini_sequence+streaming) it runs one training step (forward + backward) of the full-size model under `FakeTensorMode` on the
 CPU device (tensors have shapes and dtypes but no memory; a fake `cuda` device crashes the
 CPU build of torch, so fake CPU stands in for the GPU), measures the peak of live tensor bytes
 with `LiveTensorTracker`, adds the resident weights and optimizer states, and searches the
@@ -28,7 +28,12 @@ Assumptions (printed with every result):
   but HF's mask code, given fake tensors under gradient checkpointing, builds an [S, S] bool mask
   that a real run does not; the stand-in avoids that artefact;
 - "mini_sequence" is `mini_sequence_chunk="auto"`; gradient checkpointing is upstream's
-  `activation_checkpointing_enable()` (5.x name of `gradient_checkpointing_enable`; non-reentrant).
+  `activation_checkpointing_enable()` (5.x name of `gradient_checkpointing_enable`; non-reentrant);
+- "streaming" is `streaming_backward_chunk` = --streaming-chunk (default "auto"), without
+  checkpointing (it replaces it): each decoder layer keeps its input, and its backward recomputes
+  K/V and then one query chunk at a time; the stand-in attention runs each chunk against its causal
+  key prefix with no mask tensor, as FlashAttention does (streaming's SDPA path builds a bool
+  [chunk, prefix] mask per chunk, not counted here);
 Left out: the CUDA context and library workspaces (cuBLAS, NCCL: typically 0.5-2 GiB),
 allocator fragmentation and caching, kernels' scratch memory (e.g. FlashAttention-2's backward
 allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all heads: up to about
@@ -43,6 +48,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -51,16 +57,30 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from . import streaming
+from .config import validate_streaming_backward_chunk
 from .memory import LiveTensorTracker
 from .support import SUPPORTED_MODEL_TYPES
 
 
 GIB = 2**30
-METHODS = {  # name -> (mini_sequence_chunk, gradient checkpointing)
-    "vanilla": (None, False),
-    "checkpointing": (None, True),
-    "mini_sequence": ("auto", False),
-    "mini_sequence+checkpointing": ("auto", True),
+
+
+class Method(NamedTuple):
+    """The settings a planned (or benchmarked) method trains with."""
+
+    mini_sequence_chunk: object  # None or "auto"
+    checkpointing: bool  # upstream's activation_checkpointing_enable()
+    streaming_backward_chunk: object = None  # None or "auto" (StreamBP; replaces checkpointing for its layers)
+
+
+METHODS = {
+    "vanilla": Method(None, False),
+    "checkpointing": Method(None, True),
+    "mini_sequence": Method("auto", False),
+    "mini_sequence+checkpointing": Method("auto", True),
+    "streaming": Method(None, False, "auto"),
+    "mini_sequence+streaming": Method("auto", False, "auto"),
 }
 # per parameter; "adamw-fp32-master": DeepSpeed/Trainer bf16 mixed precision (fp32 master weights + 2 fp32 states)
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw-bf16": 4, "adamw-fp32-master": 12, "none": 0}
@@ -98,8 +118,10 @@ Multi-GPU (--gpus/--zero/--sp/--offload), per GPU (rank); every figure is an est
 - --offload optimizer: the optimizer states (fp32 master weights included with
   adamw-fp32-master) live in host memory and the step runs there; gradients stay on the GPU as
   the ZeRO stage shards them;
-- --offload inputs (with checkpointing): each decoder layer's checkpointed input [S/sp, d] goes to
-  host memory in forward; in backward one is on the GPU in use and one more in flight (prefetch);
+- --offload inputs (with checkpointing or streaming): each decoder layer's checkpointed (streamed:
+  saved) input [S/sp, d] goes to host memory in forward; in backward one is on the GPU in use (whole,
+  for the layer's whole backward) and one more in flight (prefetch); streaming is planned with sp=1
+  only, and not with ZeRO-3 + --offload inputs;
 - left out as well: DeepSpeed's communication buckets (reduce_bucket_size, stage3 prefetch and
   max-live-parameters buffers: set them small), NCCL buffers, parameter prefetching beyond one
   module, pinned-memory staging; host memory counts only offloaded tensors (per GPU: multiply by
@@ -137,6 +159,8 @@ def _flash_like_attention(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register(ATTENTION, _flash_like_attention)
 AttentionMaskInterface.register(ATTENTION, flash_attention_mask)  # no mask tensor without padding
+# Streamed layers call it per query chunk with mask=None, as FlashAttention (bottom-right causal) is called.
+streaming.BOTTOM_RIGHT_CAUSAL_ATTENTION.add(ATTENTION)
 
 
 def _send_buffer(tensor):
@@ -244,6 +268,22 @@ def check_parallel(parallel: Parallel, config, granularity: int, optimizer_in_ba
                         f"after the step; allowed only with --zero 0")
 
 
+def check_methods(methods, parallel: Parallel):
+    """Raise PlanError for an unknown method or one the parallel settings cannot plan."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise PlanError(f"--methods {' '.join(unknown)}: allowed {', '.join(METHODS)}")
+    streamed = [m for m in methods if METHODS[m].streaming_backward_chunk is not None]
+    if streamed and parallel.sp > 1:
+        raise PlanError(f"--methods {' '.join(streamed)} with --sp {parallel.sp}: streaming backward is not planned "
+                        f"with Ulysses sequence parallelism (allowed with --sp 1; other methods: "
+                        f"{', '.join(m for m in METHODS if m not in streamed)})")
+    if streamed and parallel.zero >= 3 and "inputs" in parallel.offload:
+        raise PlanError(f"--methods {' '.join(streamed)} with --zero 3 --offload inputs: not planned (under ZeRO-3 the "
+                        f"streamed layers run nested checkpoints, whose saved inputs this offload does not move); "
+                        f"use --zero 0-2 or drop 'inputs'")
+
+
 class _StepHooks:
     """Per-rank work the planner adds to a fake step for ZeRO-2/3 and layer-input offload."""
 
@@ -269,6 +309,30 @@ class _StepHooks:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             return _GatherInBackward.apply(output, self, module)
         return output
+
+    # --offload inputs for streamed layers: the one tensor a streamed layer saves for backward is its input;
+    # it goes to the host while the layer's forward runs (saved-tensor hooks entered and left around it).
+    def offload_saved_tensors(self, module, args):
+        self.saving = torch.autograd.graph.saved_tensors_hooks(self.to_host, self.from_host)
+        self.saving.__enter__()
+
+    def stop_offloading(self, module, args, output):
+        self.saving.__exit__(None, None, None)
+
+    def to_host(self, tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        self.host_bytes += nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        return tensor.shape, tensor.dtype, tensor.device, nbytes  # nothing of it stays on the GPU
+
+    def from_host(self, packed):
+        # In the layer's backward: the input back on the GPU (for the whole layer backward), and the
+        # previous layer's input in flight (prefetch), as for checkpointed layers (_OffloadedCheckpoint).
+        shape, dtype, device, nbytes = packed
+        self.host_bytes -= nbytes
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        tensor.mst_prefetch = torch.empty(shape, dtype=dtype, device=device)  # lives as long as the input
+        return tensor
 
 
 def _gather(module):
@@ -348,9 +412,17 @@ def load_config(model: str):
 
 
 class Planner:
-    def __init__(self, config, optimizer="adamw", optimizer_in_backward=False, parallel=None, granularity=1024):
+    def __init__(self, config, optimizer="adamw", optimizer_in_backward=False, parallel=None, granularity=1024,
+                 streaming_chunk="auto"):
         if optimizer not in OPTIMIZER_STATE_BYTES:
             raise PlanError(f"--optimizer {optimizer!r}: allowed {', '.join(OPTIMIZER_STATE_BYTES)}")
+        try:
+            validate_streaming_backward_chunk(streaming_chunk)
+        except ValueError as err:
+            raise PlanError(f"--streaming-chunk {streaming_chunk!r}: {err}") from None
+        if streaming_chunk is None:
+            raise PlanError('--streaming-chunk None: allowed "auto" or a positive int (query tokens per chunk)')
+        self.streaming_chunk = streaming_chunk  # streaming_backward_chunk of the streamed methods
         self.parallel = parallel = parallel or Parallel()
         check_parallel(parallel, config, granularity, optimizer_in_backward)
         self.config = config
@@ -359,7 +431,7 @@ class Planner:
         self.optimizer = optimizer
         self.optimizer_in_backward = optimizer_in_backward
         with FakeTensorMode():
-            self.num_params = sum(p.numel() for p in self._build(None, False)[0].parameters())
+            self.num_params = sum(p.numel() for p in self._build(METHODS["vanilla"])[0].parameters())
         # Weights (bf16) and optimizer states exist before a step; gradients are counted in it.
         # Per GPU: ZeRO-1 keeps 1/N of the optimizer states, ZeRO-3 also 1/N of the weights (its
         # gathered working set is measured in the step, as are gradients: ZeRO-2/3 shard them there).
@@ -372,13 +444,17 @@ class Planner:
         self.gradient_bytes = 0 if optimizer_in_backward else 2 * (
             math.ceil(self.num_params / n) if parallel.zero >= 2 else self.num_params)
 
-    def _build(self, chunk, checkpointing):
+    def _build(self, method: Method):
         # use_cache=False: training keeps no KV cache (checkpointing would turn it off with a warning).
-        config = self.config.__class__(**{**self.config.to_dict(), "mini_sequence_chunk": chunk, "use_cache": False})
+        config = self.config.__class__(**{**self.config.to_dict(), "mini_sequence_chunk": method.mini_sequence_chunk,
+                                          "streaming_backward_chunk": None if method.streaming_backward_chunk is None
+                                          else self.streaming_chunk,
+                                          "use_cache": False})
         config._attn_implementation = _attention_name(self.parallel.sp)
         # bf16 whatever dtype the config.json names (from_config would otherwise follow config.dtype).
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.train()
+        checkpointing = method.checkpointing
         if checkpointing:  # 5.x name of gradient_checkpointing_enable(); non-reentrant by default
             model.activation_checkpointing_enable()
         if self.optimizer_in_backward:
@@ -393,7 +469,14 @@ class Planner:
                 if next(module.parameters(recurse=False), None) is not None:
                     module.register_forward_pre_hook(hooks.gather_for_forward)
                     module.register_forward_hook(hooks.release_after_forward)
-        if checkpointing and "inputs" in self.parallel.offload:
+        if method.streaming_backward_chunk is not None and "inputs" in self.parallel.offload:
+            layers = [m for m in model.modules() if streaming.applies(m)]
+            if not layers:
+                raise PlanError(f"{type(model).__name__}: no streamed decoder layers found for --offload inputs")
+            for layer in layers:
+                layer.register_forward_pre_hook(hooks.offload_saved_tensors)
+                layer.register_forward_hook(hooks.stop_offloading)
+        elif checkpointing and "inputs" in self.parallel.offload:
             layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
             if not layers:
                 raise PlanError(f"{type(model).__name__}: no checkpointed decoder layers found for --offload inputs")
@@ -405,9 +488,9 @@ class Planner:
         """Peak live bytes allocated on one GPU by one forward + backward at `seq_len` tokens (the
         rank runs seq_len / sp of them; fake tensors unless fake=False, which runs the same step
         for real: the tests compare the two)."""
-        chunk, checkpointing = METHODS[method]
+        check_methods([method], self.parallel)
         with FakeTensorMode() if fake else contextlib.nullcontext():
-            model, hooks = self._build(chunk, checkpointing)
+            model, hooks = self._build(METHODS[method])
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
             with LiveTensorTracker(keep_largest=0) as tracker:
                 model(input_ids=ids, labels=ids).loss.backward()
@@ -475,18 +558,20 @@ def search_max_fitting(peak, budget, granularity, limit):
 
 
 def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024,
-         gpus=1, zero=0, sp=1, offload=(), methods=None):
+         gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto"):
     parallel = Parallel(gpus, zero, sp, tuple(offload))
-    methods = list(METHODS) if methods is None else list(methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise PlanError(f"--methods {' '.join(unknown)}: allowed {', '.join(METHODS)}")
+    if methods is None:  # every method these settings can plan
+        methods = [m for m in METHODS if sp == 1 or METHODS[m].streaming_backward_chunk is None]
+        if zero >= 3 and "inputs" in parallel.offload:
+            methods = [m for m in methods if METHODS[m].streaming_backward_chunk is None]
+    methods = list(methods)
+    check_methods(methods, parallel)
     config = load_config(model)
     if gpu_memory_gib <= 0:
         raise PlanError(f"--gpu-memory-gib must be positive, got {gpu_memory_gib}")
     if granularity <= 0:
         raise PlanError(f"--granularity must be a positive number of tokens, got {granularity}")
-    planner = Planner(config, optimizer, optimizer_in_backward, parallel, granularity)
+    planner = Planner(config, optimizer, optimizer_in_backward, parallel, granularity, streaming_chunk)
     budget = int(gpu_memory_gib * GIB)
     state = planner.resident_bytes + planner.gradient_bytes
     settings = f"--optimizer {optimizer}{' --optimizer-in-backward' if optimizer_in_backward else ''}"
@@ -501,6 +586,7 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
         )
     result = {"model": model, "parameters": planner.num_params, "gpu_memory_gib": gpu_memory_gib,
               "optimizer": optimizer, "optimizer_in_backward": optimizer_in_backward,
+              "streaming_chunk": streaming_chunk,
               "resident_gib": round(planner.resident_bytes / GIB, 2), "granularity": granularity,
               "measured_on": "FakeTensorMode on the CPU device, standing in for the GPU (a fake cuda device "
                              "crashes the CPU build of torch)",
@@ -525,6 +611,15 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
     return result
 
 
+def _streaming_chunk_arg(value):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'{value!r}: allowed "auto" or a positive int') from None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m transformers.mini_sequence.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -541,11 +636,13 @@ def main(argv=None):
                         help="keep in host memory: optimizer states, checkpointed layer inputs, or both")
     parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
                         help="plan only these methods (default: all; each long search costs minutes)")
+    parser.add_argument("--streaming-chunk", default="auto", type=_streaming_chunk_arg,
+                        help='streaming_backward_chunk of the streamed methods: "auto" (default) or query tokens per chunk')
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
         result = plan(args.model, args.gpu_memory_gib, args.optimizer, args.optimizer_in_backward, args.granularity,
-                      args.gpus, args.zero, args.sp, args.offload, args.methods)
+                      args.gpus, args.zero, args.sp, args.offload, args.methods, args.streaming_chunk)
     except PlanError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if args.json:

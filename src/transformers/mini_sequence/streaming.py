@@ -63,6 +63,10 @@ SUPPORTED_LAYERS = {
     ("transformers.models.gemma2.modeling_gemma2", "Gemma2DecoderLayer"): _GEMMA2,
 }
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+# Attention functions that, called with mask=None, mask an offset query chunk causally themselves, aligned
+# bottom-right (FlashAttention's convention), so a chunk needs no mask tensor. Only the planner registers one
+# (plan.py: its FlashAttention-like memory stand-in, whose step must not allocate a [chunk, keys] mask).
+BOTTOM_RIGHT_CAUSAL_ATTENTION = set()
 
 # "auto" chunk policy: `hidden_size` query tokens, as MsT's MLP mini-sequences (C = d). Measured (bench
 # `streaming` sweep, CPU, d=256, 2 layers, S=8192, fp32, both flags; vs mini_sequence+checkpointing):
@@ -139,7 +143,7 @@ class _StreamedLayer:
         self.layer, self.attn, self.layout = layer, attn, layout
         self.rotate_half = family_module.rotate_half
         implementation = config._attn_implementation
-        if implementation not in SUPPORTED_ATTENTION:
+        if implementation not in SUPPORTED_ATTENTION and implementation not in BOTTOM_RIGHT_CAUSAL_ATTENTION:
             raise ValueError(
                 f"{STREAMING_FIELD_NAME} is set but the model uses attn_implementation={implementation!r}; streaming "
                 f"backward runs offset query chunks only with {SUPPORTED_ATTENTION} (flash_attention_2 is not "
@@ -229,9 +233,11 @@ class _StreamedLayer:
                 del _RANGES_CACHE[stale]
             _RANGES_CACHE[id(self.mask)] = (weakref.ref(self.mask), (self.mask._version, key), self.key_ranges)
 
-    def chunk_mask(self, start: int, end: int, kv_start: int, kv_end: int) -> torch.Tensor:
+    def chunk_mask(self, start: int, end: int, kv_start: int, kv_end: int) -> torch.Tensor | None:
         if self.mask is not None:
             return self.mask[:, :, start:end, kv_start:kv_end]
+        if self.attn.config._attn_implementation in BOTTOM_RIGHT_CAUSAL_ATTENTION:
+            return None
         from ..masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
 
         mask_function = causal_mask_function if self.window is None else sliding_window_causal_mask_function(self.window)
