@@ -268,6 +268,13 @@ def check_parallel(parallel: Parallel, config, granularity: int, optimizer_in_ba
                         f"after the step; allowed only with --zero 0")
 
 
+def _plannable(method: str, parallel: Parallel) -> bool:
+    """Whether the parallel settings can plan `method` (streaming: sp 1, and not ZeRO-3 with input offload)."""
+    if METHODS[method].streaming_backward_chunk is None:
+        return True
+    return parallel.sp == 1 and not (parallel.zero >= 3 and "inputs" in parallel.offload)
+
+
 def check_methods(methods, parallel: Parallel):
     """Raise PlanError for an unknown method or one the parallel settings cannot plan."""
     unknown = [m for m in methods if m not in METHODS]
@@ -561,9 +568,7 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
          gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto"):
     parallel = Parallel(gpus, zero, sp, tuple(offload))
     if methods is None:  # every method these settings can plan
-        methods = [m for m in METHODS if sp == 1 or METHODS[m].streaming_backward_chunk is None]
-        if zero >= 3 and "inputs" in parallel.offload:
-            methods = [m for m in methods if METHODS[m].streaming_backward_chunk is None]
+        methods = [m for m in METHODS if _plannable(m, parallel)]
     methods = list(methods)
     check_methods(methods, parallel)
     config = load_config(model)

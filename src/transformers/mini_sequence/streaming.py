@@ -47,7 +47,7 @@ from ._state import (
     restore_autocast_state,
     restore_rng_state,
 )
-from .config import STREAMING_FIELD_NAME, validate_streaming_backward_chunk
+from .config import STREAMING_FIELD_NAME, streaming_chunk_size
 from .wrappers import check_graph_inputs, function_parameters, refuse_create_graph
 
 
@@ -67,23 +67,6 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 # bottom-right (FlashAttention's convention), so a chunk needs no mask tensor. Only the planner registers one
 # (plan.py: its FlashAttention-like memory stand-in, whose step must not allocate a [chunk, keys] mask).
 BOTTOM_RIGHT_CAUSAL_ATTENTION = set()
-
-# "auto" chunk policy: `hidden_size` query tokens, as MsT's MLP mini-sequences (C = d). Measured (bench
-# `streaming` sweep, CPU, d=256, 2 layers, S=8192, fp32, both flags; vs mini_sequence+checkpointing):
-# chunk 256 = d: step time 1.13x, activation memory 0.81x; 512: 1.22x, 0.87x; 1024: 1.30x, 1.11x;
-# 2048: 1.43x, 1.60x; 4096: 1.36x, 2.57x. Larger chunks cost memory (one chunk's working set) and time:
-# the chunk's diagonal block is computed in full under the mask (c * S / 2 wasted attention per layer),
-# and with mini_sequence_chunk="auto" a streamed chunk longer than d makes the MLP a mini-sequence
-# Function of its own, recomputed once more in its backward; a chunk of d tokens runs the MLP unsplit.
-def streaming_chunk_size(value, hidden_size: int) -> int:
-    """Query tokens per streamed chunk for `streaming_backward_chunk=value`."""
-    validate_streaming_backward_chunk(value)
-    if value is None:
-        raise ValueError(f"`{STREAMING_FIELD_NAME}` is None: streaming backward is disabled")
-    if value == "auto":
-        return int(hidden_size)
-    return value
-
 
 def _layout(layer):
     for cls in type(layer).__mro__:  # FSDP2 subclasses the layer class
