@@ -33,7 +33,7 @@ RTOL = 1e-5
 
 def require(package):
     if importlib.util.find_spec(package) is None:
-        pytest.skip(f"{package} is not installed (pinned in requirements-test.txt; `make install` installs it)")
+        pytest.fail(f"{package} is not installed (pinned in requirements-test.txt; `make install` installs it)")
 
 
 @pytest.fixture

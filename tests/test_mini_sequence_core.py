@@ -312,7 +312,7 @@ def test_mlp_inside_gradient_checkpointing(use_reentrant):
 
 
 def _lora_mlp(dropout):
-    peft = pytest.importorskip("peft")
+    import peft  # pinned in requirements-test.txt: a missing install fails, it does not skip
     mlp = llama_mlp()
     cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["gate_proj", "up_proj", "down_proj"])
     mlp = peft.inject_adapter_in_model(cfg, mlp)
@@ -550,7 +550,7 @@ def test_loss_weight_grad_only(loss_backends):
 
 
 def test_loss_lora_head(loss_backends):
-    peft = pytest.importorskip("peft")
+    import peft  # pinned in requirements-test.txt: a missing install fails, it does not skip
     torch.manual_seed(28)
     model = nn.Module()
     model.lm_head = nn.Linear(D, V, bias=False)
