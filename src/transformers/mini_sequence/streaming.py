@@ -33,7 +33,6 @@ which torch stops early before the last chunk, and the chunk's own recompute) ag
 """
 
 import inspect
-import math
 import sys
 import weakref
 
