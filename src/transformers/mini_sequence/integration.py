@@ -53,11 +53,14 @@ def computes_loss(model, labels) -> bool:
     return True
 
 
-def causal_lm_output(model, hidden_states, labels, outputs, **kwargs) -> CausalLMOutputWithPast:
+def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalLMOutputWithPast, **kwargs):
     """Loss of `model.lm_head(hidden_states)` against `labels`, chunk by chunk; `logits` is None.
 
     Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
-    num_items_in_batch) and, for Gemma-2, `final_logit_softcapping` applied per chunk.
+    num_items_in_batch) and, for Gemma-2, `final_logit_softcapping` applied per chunk. The result
+    is `output_class` with the base model's other outputs (past_key_values or cache_params,
+    hidden_states, attentions); a tuple `(loss, None, *outputs[1:])` when the base model returned a
+    tuple (Mamba with `return_dict=False`), where upstream puts the logits second.
     """
     config = model.config
     num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
@@ -72,10 +75,6 @@ def causal_lm_output(model, hidden_states, labels, outputs, **kwargs) -> CausalL
         shift_labels=kwargs.get("shift_labels"),
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
     )
-    return CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
+    if isinstance(outputs, tuple):
+        return (loss, None, *outputs[1:])
+    return output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})

@@ -1,0 +1,42 @@
+"""What the patched Mamba / FalconMamba mixers call (two lines each).
+
+`selective_scan_for(mixer, upstream_scan)` returns the scan the mixer's full-sequence path should
+call: upstream's `mamba_selective_scan` unless `config.adjoint_sharding_chunk` is set and the mixer
+is training with gradients, then the adjoint-sharded scan (same arguments and results).
+`uses_fused_kernel(mixer)` tells the mixer whether it may take its fused CUDA kernel shortcut.
+"""
+
+import functools
+
+import torch
+
+from .config import shard_tokens
+from .scan import selective_scan
+
+
+def enabled(config) -> bool:
+    """Whether `config` asks for adjoint sharding (`getattr`: configs without the field run upstream's path)."""
+    return getattr(config, "adjoint_sharding_chunk", None) is not None
+
+
+def applies(mixer) -> bool:
+    """Adjoint sharding runs where a backward will follow: training mode with gradients enabled."""
+    return enabled(mixer.config) and mixer.training and torch.is_grad_enabled()
+
+
+def selective_scan_for(mixer, upstream_scan):
+    if not applies(mixer):
+        return upstream_scan
+    config = mixer.config
+    return functools.partial(
+        selective_scan,
+        shard=shard_tokens(config.adjoint_sharding_chunk),
+        truncation=getattr(config, "adjoint_truncation", None),
+    )
+
+
+def uses_fused_kernel(mixer) -> bool:
+    """False when adjoint sharding applies: upstream's fused `mamba_inner_fn` (CUDA, `mamba_ssm`) would
+    otherwise run instead and the flag would be silently ignored. With the flag on, the mixer takes
+    its unfused path (conv, projections, our scan), whatever kernels are installed."""
+    return not applies(mixer)
