@@ -11,7 +11,7 @@ import torch
 import transformers
 from conftest import REPO, run_py
 from mstbuild import core
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, SSM_FAMILIES
 
 
 def package_files(root: Path) -> set[str]:
@@ -73,7 +73,7 @@ def test_pip_check_clean_and_pin_satisfied(pin):
     assert "already satisfied" in again.stdout
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(SSM_FAMILIES))
 def test_flag_off_bit_identical_to_pristine_upstream(family, pristine_tree, tmp_path):
     probe = Path(__file__).parent / "flag_off_probe.py"
     ours, theirs = tmp_path / "ours.pt", tmp_path / "upstream.pt"

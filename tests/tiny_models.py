@@ -19,17 +19,31 @@ FAMILIES = {
 }
 
 
+# State-space families (adjoint sharding, issue 9): their own common sizes.
+SSM_COMMON = dict(vocab_size=128, hidden_size=32, state_size=8, expand=2, num_hidden_layers=2, pad_token_id=0)
+SSM_FAMILIES = {
+    "mamba": ("MambaConfig", "MambaForCausalLM", {}),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", {}),
+}
+
+
+def _entry(family):
+    if family in SSM_FAMILIES:
+        return SSM_COMMON, SSM_FAMILIES[family]
+    return COMMON, FAMILIES[family]
+
+
 def make_config(family, **overrides):
     import transformers
 
-    config_name, _, extra = FAMILIES[family]
-    return getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
+    common, (config_name, _, extra) = _entry(family)
+    return getattr(transformers, config_name)(**{**common, **extra, **overrides})
 
 
 def make_model(family, seed=0, **overrides):
     import torch
     import transformers
 
-    _, model_name, _ = FAMILIES[family]
+    _, (_, model_name, _) = _entry(family)
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(make_config(family, **overrides))
