@@ -362,3 +362,30 @@ def test_no_full_state_tensor_with_the_flag():
 def test_copy_keeps_flags():
     model = make_model("mamba", adjoint_sharding_chunk=5, adjoint_truncation=3)
     assert copy.deepcopy(model).config.adjoint_truncation == 3
+
+
+def test_flags_on_a_model_without_the_path_warn(caplog):
+    """adjoint_sharding_chunk on a transformer config is kept as an attribute but would do nothing: say so."""
+    import logging
+
+    transformers.logging.enable_propagation()
+    with caplog.at_level(logging.WARNING):
+        make_model("llama", adjoint_sharding_chunk=8)
+    assert "(model_type='llama') has no adjoint-sharding path: adjoint_sharding_chunk=8 is ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        make_model("mamba", mini_sequence_chunk=8)  # chunks its LM head: no warning
+    assert "path" not in caplog.text
+
+
+def test_sequence_sharding_refuses_what_it_cannot_do():
+    from transformers.adjoint_sharding import sequence
+
+    with pytest.raises(ValueError, match="needs adjoint sharding: set `adjoint_sharding_chunk`"):
+        sequence.shard_sequence(make_model("mamba"))
+    with pytest.raises(ValueError, match="does not support `adjoint_truncation`"):
+        sequence.shard_sequence(make_model("mamba", adjoint_sharding_chunk=4, adjoint_truncation=3))
+    model = make_model("mamba", adjoint_sharding_chunk=4)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="does not support gradient checkpointing"):
+        sequence.shard_sequence(model)

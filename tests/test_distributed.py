@@ -123,3 +123,18 @@ def test_zero3_gathers_like_flag_off_after_the_trace_step():
     # on it follows the trace and the gathers equal flag off's: one per weight per layer forward and
     # one per layer backward.
     assert off[1]["gathers"] == on[1]["gathers"] == both[1]["gathers"], (off[1], on[1], both[1])
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_adjoint_sharding_across_two_processes(family, tmp_path):
+    """One batch of sequences split in time over 2 processes (adjoint_sharding.sequence): the summed
+    loss and the weights after 3 SGD steps equal one process with the flags off."""
+    out = tmp_path / "run.json"
+    torchrun("mamba_sequence_run.py", family, out)
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and len(result["steps"]) == 3
+    for step in result["steps"]:
+        assert step["part_tokens"] < 45  # each process saw only its part of the sequence
+        assert abs(step["loss"] - step["reference_loss"]) <= TOLERANCE * abs(step["reference_loss"]), step
+    assert result["max_weight_diff"] <= TOLERANCE, result["max_weight_diff"]
+    assert result["unmoved"] == []

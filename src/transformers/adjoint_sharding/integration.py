@@ -3,6 +3,8 @@
 `selective_scan_for(mixer, upstream_scan)` returns the scan the mixer's full-sequence path should
 call: upstream's `mamba_selective_scan` unless `config.adjoint_sharding_chunk` is set and the mixer
 is training with gradients, then the adjoint-sharded scan (same arguments and results).
+`causal_conv_for(mixer, upstream_conv)` likewise for the causal conv (only differs when the sequence
+is split across processes, see `sequence.py`).
 `uses_fused_kernel(mixer)` tells the mixer whether it may take its fused CUDA kernel shortcut.
 """
 
@@ -32,7 +34,19 @@ def selective_scan_for(mixer, upstream_scan):
         selective_scan,
         shard=shard_tokens(config.adjoint_sharding_chunk),
         truncation=getattr(config, "adjoint_truncation", None),
+        link=getattr(mixer, "_mst_sequence_link", None),
     )
+
+
+def causal_conv_for(mixer, upstream_conv):
+    """The mixer's causal conv: upstream's, unless the sequence is split across processes
+    (`sequence.shard_sequence`), where a part's first outputs read the previous part's last inputs."""
+    link = getattr(mixer, "_mst_sequence_link", None)
+    if link is None or not applies(mixer):
+        return upstream_conv
+    from .sequence import causal_conv
+
+    return functools.partial(causal_conv, upstream_conv, link)
 
 
 def uses_fused_kernel(mixer) -> bool:

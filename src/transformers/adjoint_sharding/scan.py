@@ -89,11 +89,14 @@ class AdjointSelectiveScan(torch.autograd.Function):
     """y = scan(u, dt, A, B, C) (before the D skip and the gate) and the last state; see the module doc."""
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, delta_bias, initial_state, shard, truncation, softplus):
+    def forward(ctx, u, dt, A, B, C, delta_bias, initial_state, shard, truncation, softplus, link=None):
         batch, channels, seq_len = u.shape
         y = torch.empty(batch, channels, seq_len, dtype=torch.float32, device=u.device)
         A = A.float()
         state = None if initial_state is None else initial_state.float()
+        zero = u.new_zeros((batch, channels, A.shape[-1]), dtype=torch.float32)
+        if link is not None and not link.first:  # a sequence split across processes (sequence.py)
+            state = link.receive(zero, -1)
         boundaries = []  # the state entering each shard (None = zero)
         for start, end in _shards(seq_len, shard):
             boundaries.append(state)
@@ -106,11 +109,12 @@ class AdjointSelectiveScan(torch.autograd.Function):
             y[:, :, start:end] = torch.einsum("lbdn,lbn->bdl", states, C_t)
             state = states[-1].clone()  # the shard's other states are freed
             del states
-        zero = u.new_zeros((batch, channels, A.shape[-1]), dtype=torch.float32)
+        if link is not None and not link.last:
+            link.send(state, +1)
         ctx.save_for_backward(
             u, dt, A, B, C, delta_bias, torch.stack([zero if s is None else s for s in boundaries])
         )
-        ctx.shard, ctx.truncation, ctx.softplus = shard, truncation, softplus
+        ctx.shard, ctx.truncation, ctx.softplus, ctx.link = shard, truncation, softplus, link
         ctx.has_initial_state = initial_state is not None
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         return y.to(u.dtype), state
@@ -129,6 +133,8 @@ class AdjointSelectiveScan(torch.autograd.Function):
         # carry = a[end] * adj[end]: the adjoint entering this shard from the right (the last
         # state's own gradient for the last shard).
         carry = None if grad_last_state is None else grad_last_state.float()
+        if ctx.link is not None and not ctx.link.last:  # the adjoint entering from the next rank's part
+            carry = ctx.link.receive(boundaries[0], +1) + (0 if carry is None else carry)
         grad_y = torch.zeros(u.shape, dtype=torch.float32, device=u.device) if grad_y is None else grad_y.float()
         if truncation is not None and truncation < seq_len:
             delta_all, _ = _delta(dt, delta_bias, softplus)  # [S, b, d]
@@ -171,6 +177,8 @@ class AdjointSelectiveScan(torch.autograd.Function):
             grad_dt[:, :, start:end] = grad_delta.permute(1, 2, 0)
             if grad_bias is not None:
                 grad_bias += grad_delta.sum((0, 1))
+        if ctx.link is not None and not ctx.link.first:
+            ctx.link.send(carry, -1)
         grad_initial = carry.to(ctx.initial_dtype) if ctx.has_initial_state else None
         return (
             grad_u.to(u.dtype),
@@ -180,6 +188,7 @@ class AdjointSelectiveScan(torch.autograd.Function):
             grad_C.to(C.dtype),
             None if grad_bias is None else grad_bias.to(delta_bias.dtype),
             grad_initial,
+            None,
             None,
             None,
             None,
@@ -213,12 +222,13 @@ def selective_scan(
     shard: int,
     truncation: int | None = None,
     initial_state=None,
+    link=None,
     **kwargs,
 ):
     """Drop-in for upstream's `mamba_selective_scan` (same arguments and dtypes; `use_mambapy` and
     `use_associative_scan` are ignored: this is the scan) with the adjoint backward above."""
     scan_output, last_state = AdjointSelectiveScan.apply(
-        hidden_states, dt, A, B, C, delta_bias, initial_state, shard, truncation, delta_softplus
+        hidden_states, dt, A, B, C, delta_bias, initial_state, shard, truncation, delta_softplus, link
     )
     if D is not None:
         scan_output = scan_output + hidden_states * D[None, :, None]
