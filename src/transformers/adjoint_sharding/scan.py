@@ -67,15 +67,15 @@ def linear_scan(a: torch.Tensor, b: torch.Tensor, initial: torch.Tensor | None =
 def _delta(dt: torch.Tensor, delta_bias: torch.Tensor | None, softplus: bool) -> torch.Tensor:
     """Step sizes in fp32, [batch, d, L] -> [L, batch, d]; also returns the pre-softplus values."""
     pre = dt.float() if delta_bias is None else dt.float() + delta_bias.float()[:, None]
-    pre = pre.permute(2, 0, 1)
+    pre = pre.permute(2, 0, 1).contiguous()  # time-major: each step of the scan reads one contiguous slice
     return (F.softplus(pre) if softplus else pre), pre
 
 
 def _discretize(u, dt, A, B, delta_bias, softplus):
     """One shard's delta [L, b, d], a and b-terms [L, b, d, n], and the pre-softplus dt (for dt's grad)."""
     delta, pre = _delta(dt, delta_bias, softplus)
-    u_t = u.float().permute(2, 0, 1)  # [L, b, d]
-    B_t = B.float().permute(2, 0, 1)  # [L, b, n]
+    u_t = u.float().permute(2, 0, 1).contiguous()  # [L, b, d]
+    B_t = B.float().permute(2, 0, 1).contiguous()  # [L, b, n]
     a = torch.exp(delta[..., None] * A)
     b_terms = (delta * u_t)[..., None] * B_t[:, :, None, :]
     return delta, pre, u_t, B_t, a, b_terms
@@ -147,8 +147,8 @@ class AdjointSelectiveScan(torch.autograd.Function):
             initial = boundaries[index]
             states = linear_scan(a, b_terms, initial)
             del b_terms
-            gy_t = grad_y[:, :, start:end].permute(2, 0, 1)  # [L, b, d]
-            C_t = C[:, :, start:end].float().permute(2, 0, 1)  # [L, b, n]
+            gy_t = grad_y[:, :, start:end].permute(2, 0, 1).contiguous()  # [L, b, d]
+            C_t = C[:, :, start:end].float().permute(2, 0, 1).contiguous()  # [L, b, n]
             grad_C[:, :, start:end] = torch.einsum("lbdn,lbd->bnl", states, gy_t)
             source = gy_t[..., None] * C_t[:, :, None, :]  # C[t] gy[t]
             if truncation is not None and start + truncation < seq_len:
