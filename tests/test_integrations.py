@@ -103,13 +103,15 @@ SFT_CASES = {
 }
 
 
-def run_sft(tmp_path, chunk, family, rows, overrides, stream=None):
+def run_sft(tmp_path, chunk, family, rows, overrides, stream=None, **flags):
     import datasets
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(**{**common_args(tmp_path, f"sft-{chunk}-{stream}"), **overrides})
+    args = SFTConfig(**{**common_args(tmp_path, f"sft-{chunk}-{stream}-{len(flags)}"), **overrides})
+    if stream is not None:
+        flags["streaming_backward_chunk"] = stream
     trainer = SFTTrainer(
-        model=make_model(family, mini_sequence_chunk=chunk, streaming_backward_chunk=stream),
+        model=make_model(family, mini_sequence_chunk=chunk, **flags),
         args=args,
         train_dataset=datasets.Dataset.from_dict(rows),
         processing_class=make_tokenizer(),
@@ -483,3 +485,54 @@ def test_qlora_4bit_streaming_equals_off(saved_llama, streamed_layers):
     on = lora_grads(model_on, batch, lora_config(ALL_PROJECTIONS))
     assert streamed_layers["layers"] == 2
     assert_streamed_lora_grads_close(off, on, expected_count=28)
+
+
+# ----------------------------------------------------------------------------- Mamba: adjoint sharding
+
+
+@pytest.fixture
+def adjoint_scans(monkeypatch):
+    """Counts forwards of the adjoint-sharded scan (so a comparison cannot be upstream against itself)."""
+    from transformers.adjoint_sharding import scan
+
+    calls = []
+    forward = scan.AdjointSelectiveScan.forward
+    monkeypatch.setattr(scan.AdjointSelectiveScan, "forward",
+                        staticmethod(lambda *a, **k: calls.append(1) or forward(*a, **k)))
+    return calls
+
+
+def test_sft_trainer_mamba_adjoint_equals_off(tmp_path, spies, adjoint_scans):
+    """TRL SFT on Mamba, gradient accumulation 2: adjoint sharding + chunked LM head vs flags off."""
+    require("trl")
+    rows = text_rows(12, seed=7)
+    off_losses, off_logs, off_weights, off_batches = run_sft(tmp_path, None, "mamba", rows, {})
+    assert adjoint_scans == []
+    on_losses, on_logs, on_weights, on_batches = run_sft(tmp_path, CHUNK, "mamba", rows, {}, adjoint_sharding_chunk=5)
+    # 2 layers per micro-batch, each scanned twice: TRL's SFTConfig turns gradient checkpointing on by default.
+    assert len(adjoint_scans) == 2 * 2 * len(on_losses)
+    assert len(on_losses) == len(off_losses) == 6
+    for a, b in zip(off_batches, on_batches):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+    for off, on in zip(off_losses, on_losses):
+        assert on == pytest.approx(off, rel=RTOL)
+    assert_same_weights(off_weights, on_weights)
+
+
+def test_peft_lora_mamba_adjoint_equals_off(adjoint_scans):
+    """LoRA on the mixer's projections (in_proj, x_proj): adapter gradients equal. (PEFT refuses out_proj
+    and conv1d on Mamba; a LoRA on dt_proj gets no gradient in upstream either: the mixer multiplies by
+    dt_proj.weight directly, bypassing the adapter.)"""
+    require("peft")
+    batch = padded_batch()
+    config = lora_config(("in_proj", "x_proj"))
+    off = lora_grads(make_model("mamba"), batch, config)
+    on = lora_grads(make_model("mamba", adjoint_sharding_chunk=6, mini_sequence_chunk=CHUNK), batch, config)
+    assert len(adjoint_scans) == 2
+    loss_off, _, grads_off = off
+    loss_on, logits_on, grads_on = on
+    assert logits_on is None and len(grads_off) == 8 and grads_off.keys() == grads_on.keys()
+    assert all(g.abs().max() > 0 for g in grads_off.values())
+    assert loss_on.item() == pytest.approx(loss_off.item(), rel=RTOL)
+    worst = max(grads_off, key=lambda k: rel_err(grads_on[k], grads_off[k]))
+    assert rel_err(grads_on[worst], grads_off[worst]) < RTOL, worst
