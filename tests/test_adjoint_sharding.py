@@ -389,3 +389,10 @@ def test_sequence_sharding_refuses_what_it_cannot_do():
     model.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="does not support gradient checkpointing"):
         sequence.shard_sequence(model)
+
+
+def test_double_backward_refused():
+    inputs = scan_inputs(5, torch.float32)
+    y = adjoint(7)(**inputs)
+    with pytest.raises(RuntimeError, match="create_graph=True.*unset adjoint_sharding_chunk"):
+        torch.autograd.grad(y.square().sum(), inputs["u"], create_graph=True)

@@ -33,6 +33,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..mini_sequence.wrappers import refuse_create_graph
+
 
 def linear_scan(a: torch.Tensor, b: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
     """States of h[t] = a[t] * h[t-1] + b[t] along dim 0, with h[-1] = `initial` (or 0).
@@ -121,6 +123,7 @@ class AdjointSelectiveScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_last_state):
+        refuse_create_graph("adjoint sharding", "adjoint_sharding_chunk")
         u, dt, A, B, C, delta_bias, boundaries = ctx.saved_tensors
         shard, truncation, softplus = ctx.shard, ctx.truncation, ctx.softplus
         seq_len = u.shape[-1]

@@ -306,7 +306,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        refuse_create_graph("streaming backward")
+        refuse_create_graph("streaming backward", "streaming_backward_chunk")
         (x,) = ctx.saved_tensors
         streamed, params = ctx.streamed, ctx.params
         needs_x = ctx.needs_input_grad[0]

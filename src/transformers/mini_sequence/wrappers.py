@@ -144,14 +144,14 @@ def check_graph_inputs(output: torch.Tensor, inputs, where: str) -> None:
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
-def refuse_create_graph(where: str) -> None:
+def refuse_create_graph(where: str, flag: str = "mini_sequence_chunk") -> None:
     """Call first in a Function's backward. Grad mode is on there only under `create_graph=True`
     (double backward, gradient penalties): our chunked backward is not differentiable, and returning
     gradients without a graph would make their own gradient silently zero."""
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"{where}: backward with create_graph=True (double backward) is not supported by the chunked "
-            "path; unset mini_sequence_chunk for higher-order gradients."
+            f"path; unset {flag} for higher-order gradients."
         )
 
 
