@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO, run_py
+from transformers.adjoint_sharding.config import AUTO_SHARD_TOKENS
 
 
 def read_csv(path: Path):
@@ -91,7 +92,7 @@ def test_mamba_sweep(tmp_path):
     assert max(losses) - min(losses) <= 1e-5 * losses[0], losses
     assert all(r["step_time_s"] == "" for r in rows if r["peak_kind"] == "fake")
     assert all(float(r["step_time_s"]) > 0 and float(r["peak_vs_upstream"]) > 0 for r in rows if r["peak_kind"] == "real")
-    assert [r["shard_tokens"] for r in rows if r["method"] == "adjoint"] == ["256", "256"]  # "auto"
+    assert [r["shard_tokens"] for r in rows if r["method"] == "adjoint"] == [str(AUTO_SHARD_TOKENS)] * 2  # "auto"
     shards = read_csv(tmp_path / "mamba_shards.csv")
     assert [(r["method"], r["shard_tokens"]) for r in shards] == [("adjoint shard=16", "16")]
     assert "target <= 0.333" in (tmp_path / "mamba.md").read_text()
