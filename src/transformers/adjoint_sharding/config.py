@@ -38,7 +38,9 @@ def validate_adjoint_sharding(chunk, truncation):
 # 101.1 s; 1024: 1036.1 MiB, 94.4 s; 2048: 1271.2 MiB, 126.8 s. A shard's working set ([shard, batch,
 # D, N] fp32 states, adjoints, a, b) grows with the shard; its Python cost (about 2 sqrt(shard) scan
 # steps per shard, 2 S / sqrt(shard) per layer) is small at these sizes: time did not separate
-# 64-1024 beyond the noise. 128 has the smallest peak (64's, within 0.1%) with half as many shards.
+# 64-1024 beyond the noise. A second run, 128 against 256 only, median of 2 interleaved steps each
+# (load average about 6.5): 128: 43.9 s, 256: 48.1 s, peaks as above. 128 has the smallest peak
+# (64's, within 0.1%) with half as many shards as 64.
 AUTO_SHARD_TOKENS = 128
 
 
