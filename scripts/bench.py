@@ -577,15 +577,16 @@ def build_parser():
                         help="for `mamba` (methods part): which methods to run")
     parser.add_argument("--name", default="mamba", help="for `mamba`: output files <out>/<name>*.csv|md|png")
     parser.add_argument("--truncation", type=int, default=64, help="adjoint_truncation of the truncated method (`mamba`)")
-    parser.add_argument("--upstream-max-seq", type=int, default=4096,
-                        help="for `mamba`: upstream's torch path runs for real up to this S (its backward is quadratic on CPU)")
+    parser.add_argument("--upstream-max-seq", type=int, default=512,
+                        help="for `mamba`: upstream's torch path runs for real up to this S (its backward is quadratic on "
+                             "CPU: over a minute per step at 512 on 2 cores, over 10 minutes at 1024 on a loaded machine)")
     parser.add_argument("--upstream-repeats", type=int, default=1, help="for `mamba`: timed steps of the upstream methods")
     parser.add_argument("--fake-seq", type=int, nargs="+", default=[8192],
                         help="for `mamba`: S above --upstream-max-seq where the upstream methods' peak is measured "
                              "under FakeTensorMode")
-    parser.add_argument("--fake-methods", nargs="+", default=list(UPSTREAM_METHODS), choices=list(UPSTREAM_METHODS),
+    parser.add_argument("--fake-methods", nargs="+", default=["upstream"], choices=list(UPSTREAM_METHODS),
                         help="for `mamba`: the upstream methods measured at --fake-seq")
-    parser.add_argument("--fake-check-seq", type=int, default=1024,
+    parser.add_argument("--fake-check-seq", type=int, default=512,
                         help="for `mamba`: S where the upstream methods' fake peak is checked against the real one")
     parser.add_argument("--shard-seq", type=int, default=8192, help="for `mamba` (shards part)")
     parser.add_argument("--shards", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048],
@@ -604,7 +605,7 @@ def main(argv=None):
         args.chunk = int(args.chunk)
     args.dtype = getattr(torch, args.dtype)
     args.seq = args.seq or {"methods": [1024, 2048, 4096, 8192], "blocks": [2048, 8192], "families": [4096],
-                           "streaming": [4096], "mamba": [1024, 2048, 4096, 8192, 16384]}[args.sweep]  # (streaming has its own --*-seq options)
+                           "streaming": [4096], "mamba": [512, 1024, 2048, 4096, 8192]}[args.sweep]  # (streaming has its own --*-seq options)
     if any(s < 2 for s in args.seq) or args.repeats < 1:
         parser.error("--seq values must be >= 2 and --repeats >= 1")
     if min(args.truncation, args.upstream_repeats, args.shard_seq, args.fake_check_seq, *args.shards, *args.fake_seq) < 1:
