@@ -77,7 +77,8 @@ def test_mamba_sweep(tmp_path):
     exact methods (the loss is the measured step's, after the same warm-up step), the shard sweep."""
     bench = str(REPO / "scripts" / "bench.py")
     result = run_py([bench, "mamba", "--seq", "48", "96", "--upstream-max-seq", "48", "--fake-check-seq", "48",
-                     "--fake-seq", "96", "--shard-seq", "48", "--shards", "16", "--truncation", "8", "--repeats", "1",
+                     "--fake-seq", "96", "--fake-methods", "upstream", "upstream+checkpointing", "--shard-seq", "48",
+                     "--shards", "16", "--truncation", "8", "--repeats", "1",
                      "--out", str(tmp_path), "--device", "cpu"])
     assert result.returncode == 0, result.stderr[-2000:]
     rows = read_csv(tmp_path / "mamba.csv")
