@@ -45,7 +45,7 @@ test: install
 demo: install
 	$(PY) scripts/demo.py --plot $(OUT)/demo.png $(ARGS)
 
-# SWEEPS: any of methods blocks families (scripts/bench.py --help); results go to $(OUT)/bench/.
+# SWEEPS: any of methods blocks families streaming mamba (scripts/bench.py --help); results go to $(OUT)/bench/.
 bench: install
 	for sweep in $(or $(SWEEPS),methods blocks families); do $(PY) scripts/bench.py $$sweep --out $(OUT)/bench $(ARGS) || exit 1; done
 

@@ -10,6 +10,12 @@
   streaming StreamBP's CPU targets (issue 7): Gemma-2 peak vs flag off, activation memory
             vs mini_sequence+checkpointing at 32K (fp32, bf16), and a sweep of
             streaming_backward_chunk values (time and peak) at 8K/16K.
+  mamba     adjoint sharding (issue 9): Mamba, peak memory and step time vs S for upstream's torch
+            path, upstream + checkpointing, adjoint (+ mini_sequence), adjoint + checkpointing,
+            truncated adjoint; and a sweep of adjoint_sharding_chunk values at one S. Upstream's
+            torch path is quadratic in time on CPU: above --upstream-max-seq its peak is measured
+            under FakeTensorMode (shapes only, no data; checked against a real step at
+            --fake-check-seq) and its time is not measured.
 
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`
 (everything: weights, gradients, optimizer states, activations). On CPU the exact peak of
@@ -31,11 +37,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm import tqdm
 
 import transformers
+from transformers.adjoint_sharding import shard_tokens
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.mini_sequence import LiveTensorTracker, mini_sequence_causal_lm_loss, mini_sequence_mlp
 from transformers.mini_sequence.memory import resident_training_bytes
@@ -54,6 +63,22 @@ BASE = dict(hidden_size=256, intermediate_size=1024, vocab_size=32000, num_hidde
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1 << 17)
 MIB = 2**20
 STREAMING_PARTS = ("gemma2", "activation", "chunks")
+MAMBA_PARTS = ("methods", "shards")
+# Mamba (issue 9 targets): hidden 256, state 16, expand 2 (D = 512 scan channels), 4 layers, V=32000.
+MAMBA_BASE = dict(hidden_size=256, state_size=16, expand=2, num_hidden_layers=4, vocab_size=32000)
+
+
+class MambaMethod(NamedTuple):
+    adjoint_sharding_chunk: object  # None (upstream's scan) | "auto" | int
+    mini_sequence_chunk: object  # chunked LM head + loss
+    checkpointing: bool
+    adjoint_truncation: int | None = None
+
+
+def mamba_methods(truncation):
+    return {"upstream": MambaMethod(None, None, False), "upstream+checkpointing": MambaMethod(None, None, True),
+            "adjoint": MambaMethod("auto", "auto", False), "adjoint+checkpointing": MambaMethod("auto", "auto", True),
+            f"truncated T={truncation}": MambaMethod("auto", "auto", False, truncation)}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -123,6 +148,53 @@ class Trainee:
 def trainee(family, method: Method, seq, device, dtype):
     return Trainee(family, method.mini_sequence_chunk, method.checkpointing, seq, device, dtype,
                    method.streaming_backward_chunk)
+
+
+class MambaTrainee(Trainee):
+    """A MambaForCausalLM trainee; `warm_up()` runs one step on a short prefix (AdamW states, first-call
+    costs) so that upstream's slow long steps run only where they are measured."""
+
+    WARM_UP_TOKENS = 64
+
+    def __init__(self, method: MambaMethod, seq, device, dtype, fake=False):
+        config = transformers.MambaConfig(**MAMBA_BASE, adjoint_sharding_chunk=method.adjoint_sharding_chunk,
+                                          adjoint_truncation=method.adjoint_truncation,
+                                          mini_sequence_chunk=method.mini_sequence_chunk, use_cache=False)
+        torch.manual_seed(0)
+        self.model = transformers.MambaForCausalLM(config).train()
+        if not fake:  # (a fake model stays as built: CPU, fp32)
+            self.model.to(device=device, dtype=dtype)
+        if method.checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        # Fake tensors have no values (the ids' values change no shape, so zeros there).
+        self.ids = torch.zeros(1, seq, dtype=torch.long, device=device) if fake else tokens(seq, config.vocab_size, device)
+        self.device = device
+        self.fake = fake
+
+    def step(self):
+        loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return None if self.fake else loss.item()
+
+    def warm_up(self):
+        ids, self.ids = self.ids, self.ids[:, : self.WARM_UP_TOKENS]
+        self.step()
+        self.ids = ids
+
+
+def fake_peak_bytes(method: MambaMethod, seq, dtype):
+    """`peak_step()`'s quantity for a step run under FakeTensorMode (as the planner does): every
+    operator runs on shapes only, so the allocations are the real step's without its compute."""
+    if dtype != torch.float32:
+        raise ValueError(f"fake-tensor peaks are measured in float32 only, got {dtype}")
+    with FakeTensorMode():
+        fake = MambaTrainee(method, seq, torch.device("cpu"), dtype, fake=True)
+        fake.warm_up()
+        peak, _ = fake.peak_step()
+    return peak
 
 
 def compare_steps(trainees, repeats, progress):
@@ -326,6 +398,119 @@ def streaming_summary(rows):
     return "\n".join(lines)
 
 
+UPSTREAM_METHODS = ("upstream", "upstream+checkpointing")
+MAMBA_METHOD_NAMES = ["upstream", "upstream+checkpointing", "adjoint", "adjoint+checkpointing", "truncated"]
+
+
+def sweep_mamba(args, device):
+    """Adjoint sharding (issue 9), Mamba (MAMBA_BASE), every point measured in this run:
+
+    methods  at each --seq, the five methods (`mamba_methods`): peak of a full training step and median
+             step time of --repeats interleaved steps (--upstream-repeats for upstream's two, whose steps
+             take minutes). Upstream's methods run for real up to --upstream-max-seq; at the --fake-seq
+             lengths above it, --fake-methods get their peak under FakeTensorMode (peak_kind "fake") and
+             no time. At --fake-check-seq the real upstream rows also get the fake peak (fake_peak_MiB):
+             the two agree when the fake measurement is right.
+    shards   "adjoint" at --shard-seq with each --shards value of adjoint_sharding_chunk: peak, time.
+    Every trainee first takes one AdamW step on a short prefix (`MambaTrainee.warm_up`); the loss is
+    the measured-memory step's, the same for the exact methods.
+    """
+    methods = {n: m for n, m in mamba_methods(args.truncation).items() if n.split()[0] in args.mamba_methods}
+    rows = []
+
+    def measure(part, seq, settings, repeats_of):
+        trainees = {name: MambaTrainee(m, seq, device, args.dtype) for name, m in settings.items()}
+        results = {}
+        total = sum(2 + repeats_of(name) for name in trainees)
+        with tqdm(total=total, desc=f"mamba: {part} S={seq}", file=sys.stderr) as progress:
+            for name, t in trainees.items():
+                t.warm_up()
+                peak, loss = t.peak_step()
+                results[name] = {"peak_bytes": peak, "loss": loss, "times": []}
+                progress.update(2)
+            for i in range(max(repeats_of(name) for name in trainees)):
+                for name, t in trainees.items():  # interleaved, so that machine noise hits all alike
+                    if i < repeats_of(name):
+                        results[name]["times"].append(t.timed_step())
+                        progress.update(1)
+        for name, r in results.items():
+            times = r.pop("times")
+            r["time"] = statistics.median(times) if times else None
+            rows.append(row(part, seq, name, settings[name], r["peak_bytes"], "real", r["time"], r["loss"]))
+
+    def row(part, seq, name, method, peak, kind, time_s, loss):
+        chunk = method.adjoint_sharding_chunk
+        return {"part": part, "seq_len": seq, "method": name,
+                "shard_tokens": None if chunk is None else shard_tokens(chunk),
+                "mini_sequence_chunk": method.mini_sequence_chunk, "checkpointing": method.checkpointing,
+                "truncation": method.adjoint_truncation, "peak_bytes": peak, "peak_kind": kind,
+                "fake_peak_MiB": None, "step_time_s": time_s, "ms_per_token": None if time_s is None else 1e3 * time_s / seq,
+                "loss": None if loss is None else round(loss, 6)}
+
+    if "methods" in args.parts:
+        for seq in args.seq:
+            real = {n: m for n, m in methods.items() if n not in UPSTREAM_METHODS or seq <= args.upstream_max_seq}
+            measure("methods", seq, real, lambda n: args.upstream_repeats if n in UPSTREAM_METHODS else args.repeats)
+            for name in (n for n in UPSTREAM_METHODS if n in methods):
+                if name in real and seq == args.fake_check_seq:
+                    print(f"mamba: fake-tensor peak of {name} at S={seq} (check) ...", file=sys.stderr, flush=True)
+                    check = next(r for r in rows if (r["seq_len"], r["method"]) == (seq, name))
+                    check["fake_peak_MiB"] = round(fake_peak_bytes(methods[name], seq, args.dtype) / MIB, 1)
+                    print(f"mamba: {name} S={seq}: real peak {check['peak_bytes'] / MIB:.1f} MiB, "
+                          f"fake peak {check['fake_peak_MiB']} MiB", file=sys.stderr, flush=True)
+                elif name not in real and name in args.fake_methods and seq in args.fake_seq:
+                    print(f"mamba: fake-tensor peak of {name} at S={seq} ...", file=sys.stderr, flush=True)
+                    rows.append(row("methods", seq, name, methods[name], fake_peak_bytes(methods[name], seq, args.dtype),
+                                    "fake", None, None))
+    if "shards" in args.parts:
+        adjoint = mamba_methods(args.truncation)["adjoint"]
+        settings = {f"adjoint shard={c}": adjoint._replace(adjoint_sharding_chunk=c) for c in args.shards}
+        measure("shards", args.shard_seq, settings, lambda n: args.repeats)
+
+    order = {name: i for i, name in enumerate(methods)}
+    rows.sort(key=lambda r: (r["part"] != "methods", r["seq_len"], order.get(r["method"], len(order)), r["shard_tokens"] or 0))
+    upstream = {r["seq_len"]: r for r in rows if r["part"] == "methods" and r["method"] == "upstream"}
+    for r in rows:
+        ref = upstream.get(r["seq_len"])
+        r["peak_vs_upstream"] = round(r["peak_bytes"] / ref["peak_bytes"], 3) if ref else None
+        both = ref and r["step_time_s"] is not None and ref["step_time_s"] is not None
+        r["time_vs_upstream"] = round(r["step_time_s"] / ref["step_time_s"], 4) if both else None
+    for r in rows:  # rounded only once every ratio is computed from the full values
+        r["peak_MiB"] = round(r.pop("peak_bytes") / MIB, 1)
+        r["step_time_s"] = None if r["step_time_s"] is None else round(r["step_time_s"], 3)
+        r["ms_per_token"] = None if r["ms_per_token"] is None else round(r["ms_per_token"], 3)
+    # Column order: the measurements after the settings.
+    keys = ["part", "seq_len", "method", "shard_tokens", "mini_sequence_chunk", "checkpointing", "truncation",
+            "peak_MiB", "peak_kind", "fake_peak_MiB", "peak_vs_upstream", "step_time_s", "ms_per_token",
+            "time_vs_upstream", "loss"]
+    return [{k: r[k] for k in keys} for r in rows]
+
+
+def mamba_summary(rows, args):
+    """The issue-9 CPU targets, from the rows just measured."""
+    lines = []
+    methods = [r for r in rows if r["part"] == "methods"]
+    for r in methods:
+        if r["fake_peak_MiB"] is not None:
+            lines.append(f"- Fake-tensor check, {r['method']} S={r['seq_len']}: real peak {r['peak_MiB']} MiB, "
+                         f"FakeTensorMode peak {r['fake_peak_MiB']} MiB")
+    for r in methods:
+        if r["method"] == "adjoint" and r["peak_vs_upstream"] is not None:
+            ref = next(u for u in methods if u["seq_len"] == r["seq_len"] and u["method"] == "upstream")
+            lines.append(f"- S={r['seq_len']}: peak adjoint (+mini_sequence) {r['peak_MiB']} MiB / upstream "
+                         f"{ref['peak_MiB']} MiB ({ref['peak_kind']}) = {r['peak_vs_upstream']} (target <= 0.333 at S=8192)")
+    for r in methods:
+        if r["method"] == "adjoint" and r["time_vs_upstream"] is not None:
+            ref = next(u for u in methods if u["seq_len"] == r["seq_len"] and u["method"] == "upstream")
+            lines.append(f"- S={r['seq_len']}: step time adjoint {r['step_time_s']} s / upstream {ref['step_time_s']} s "
+                         f"= {r['time_vs_upstream']} (target <= 0.1 at S=4096)")
+    growth = [r for r in methods if r["method"] == "adjoint" and r["step_time_s"] is not None]
+    if growth:
+        lines.append("- adjoint step time by S (ms per token): " + ", ".join(
+            f"{r['seq_len']}: {r['step_time_s']} s ({r['ms_per_token']})" for r in growth))
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -371,7 +556,7 @@ def write(rows, out, name, header):
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming"])
+    parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming", "mamba"])
     parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="for `methods`")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), help="for `families`")
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default per sweep)")
@@ -386,6 +571,26 @@ def build_parser():
     parser.add_argument("--chunk-seq", type=int, nargs="+", default=[8192, 16384], help="for `streaming` (chunks part)")
     parser.add_argument("--streaming-chunks", nargs="+", default=["256", "512", "1024", "2048", "4096", "auto"],
                         help='streaming_backward_chunk values for `streaming` (chunks part): ints or "auto"')
+    parser.add_argument("--mamba-parts", nargs="+", default=list(MAMBA_PARTS), choices=list(MAMBA_PARTS),
+                        help="for `mamba`: which parts to run")
+    parser.add_argument("--mamba-methods", nargs="+", default=MAMBA_METHOD_NAMES, choices=MAMBA_METHOD_NAMES,
+                        help="for `mamba` (methods part): which methods to run")
+    parser.add_argument("--name", default="mamba", help="for `mamba`: output files <out>/<name>*.csv|md|png")
+    parser.add_argument("--truncation", type=int, default=64, help="adjoint_truncation of the truncated method (`mamba`)")
+    parser.add_argument("--upstream-max-seq", type=int, default=512,
+                        help="for `mamba`: upstream's torch path runs for real up to this S (its backward is quadratic on "
+                             "CPU: over a minute per step at 512 on 2 cores, over 10 minutes at 1024 on a loaded machine)")
+    parser.add_argument("--upstream-repeats", type=int, default=1, help="for `mamba`: timed steps of the upstream methods")
+    parser.add_argument("--fake-seq", type=int, nargs="+", default=[8192],
+                        help="for `mamba`: S above --upstream-max-seq where the upstream methods' peak is measured "
+                             "under FakeTensorMode")
+    parser.add_argument("--fake-methods", nargs="+", default=["upstream"], choices=list(UPSTREAM_METHODS),
+                        help="for `mamba`: the upstream methods measured at --fake-seq")
+    parser.add_argument("--fake-check-seq", type=int, default=512,
+                        help="for `mamba`: S where the upstream methods' fake peak is checked against the real one")
+    parser.add_argument("--shard-seq", type=int, default=8192, help="for `mamba` (shards part)")
+    parser.add_argument("--shards", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048],
+                        help="adjoint_sharding_chunk values for `mamba` (shards part)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=REPO / "out" / "bench",
@@ -400,9 +605,12 @@ def main(argv=None):
         args.chunk = int(args.chunk)
     args.dtype = getattr(torch, args.dtype)
     args.seq = args.seq or {"methods": [1024, 2048, 4096, 8192], "blocks": [2048, 8192], "families": [4096],
-                           "streaming": [4096]}[args.sweep]  # (streaming has its own --*-seq options)
+                           "streaming": [4096], "mamba": [512, 1024, 2048, 4096, 8192]}[args.sweep]  # (streaming has its own --*-seq options)
     if any(s < 2 for s in args.seq) or args.repeats < 1:
         parser.error("--seq values must be >= 2 and --repeats >= 1")
+    if min(args.truncation, args.upstream_repeats, args.shard_seq, args.fake_check_seq, *args.shards, *args.fake_seq) < 1:
+        parser.error("--truncation, --upstream-repeats, --shard-seq, --fake-check-seq, --fake-seq and --shards "
+                     "values must be positive ints")
     if min(args.gemma2_seq, args.activation_seq, *args.chunk_seq) < 2:
         parser.error("--gemma2-seq, --activation-seq and --chunk-seq values must be >= 2")
     try:
@@ -435,6 +643,34 @@ def main(argv=None):
                  args.out / f"blocks_{block}_memory.png", "peak (MiB)", logx=True)
             plot(part, "mini_sequences", "time_s", "S", f"{block}: time vs M (App. F)\n{where}",
                  args.out / f"blocks_{block}_time.png", "forward + backward (s)", logx=True)
+    elif args.sweep == "mamba":
+        if device.type != "cpu":
+            parser.error("the mamba sweep measures the CPU torch path (--device cpu)")
+        args.parts = args.mamba_parts
+        rows = sweep_mamba(args, device)
+        cfg = MAMBA_BASE
+        header = (f"transformers {transformers.__version__}, torch {torch.__version__}, {where}; MambaForCausalLM "
+                  f"d={cfg['hidden_size']} N={cfg['state_size']} expand={cfg['expand']} {cfg['num_hidden_layers']} layers "
+                  f"V={cfg['vocab_size']}, batch 1, {str(args.dtype).removeprefix('torch.')}; time = median of "
+                  f"{args.repeats} interleaved steps ({args.upstream_repeats} for upstream) after a warm-up step on "
+                  f"{MambaTrainee.WARM_UP_TOKENS} tokens; peak_kind fake: measured under FakeTensorMode (no time)")
+        summary = mamba_summary(rows, args)
+        methods = [r for r in rows if r["part"] == "methods"]
+        shards = [r for r in rows if r["part"] == "shards"]
+        if methods:
+            write(methods, args.out, args.name, f"{header}\n\nTargets (issue 9), from this run:\n{summary}")
+            plot(methods, "seq_len", "peak_MiB", "method",
+                 f"Mamba: peak memory of a training step (upstream above S={args.upstream_max_seq}: fake tensors)\n{where}",
+                 args.out / f"{args.name}_memory.png", "peak (MiB)", logx=True)
+            plot([r for r in methods if r["step_time_s"] is not None], "seq_len", "step_time_s", "method",
+                 f"Mamba: time of a training step\n{where}", args.out / f"{args.name}_time.png", "step time (s)", logx=True)
+        if shards:
+            write(shards, args.out, f"{args.name}_shards", header)
+            part = [dict(r, S=f"S={r['seq_len']}") for r in shards]
+            plot(part, "shard_tokens", "step_time_s", "S", f"adjoint: step time vs adjoint_sharding_chunk\n{where}",
+                 args.out / f"{args.name}_shards_time.png", "step time (s)", logx=True)
+            plot(part, "shard_tokens", "peak_MiB", "S", f"adjoint: peak vs adjoint_sharding_chunk\n{where}",
+                 args.out / f"{args.name}_shards_memory.png", "peak (MiB)", logx=True)
     elif args.sweep == "families":
         rows = sweep_families(args, device)
         write(rows, args.out, "families", header)

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO, run_py
+from transformers.adjoint_sharding.config import AUTO_SHARD_TOKENS
 
 
 def read_csv(path: Path):
@@ -68,3 +69,40 @@ def test_bad_arguments_exit_2(tmp_path):
     assert result.returncode == 2 and "--seq" in result.stderr
     result = run_py([str(REPO / "scripts" / "bench.py"), "streaming", "--streaming-chunks", "0", "--out", str(tmp_path)])
     assert result.returncode == 2 and "--streaming-chunks" in result.stderr
+
+
+def test_mamba_sweep(tmp_path):
+    """The adjoint-sharding sweep on tiny sizes: every method's row, upstream's peak under FakeTensorMode
+    equal to its real peak at the check length, fake rows above --upstream-max-seq, equal losses for the
+    exact methods (the loss is the measured step's, after the same warm-up step), the shard sweep."""
+    bench = str(REPO / "scripts" / "bench.py")
+    result = run_py([bench, "mamba", "--seq", "48", "96", "--upstream-max-seq", "48", "--fake-check-seq", "48",
+                     "--fake-seq", "96", "--fake-methods", "upstream", "upstream+checkpointing", "--shard-seq", "48",
+                     "--shards", "16", "--truncation", "8", "--repeats", "1",
+                     "--out", str(tmp_path), "--device", "cpu"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = read_csv(tmp_path / "mamba.csv")
+    exact = ["upstream", "upstream+checkpointing", "adjoint", "adjoint+checkpointing"]
+    assert [(r["seq_len"], r["method"], r["peak_kind"]) for r in rows] == (
+        [("48", m, "real") for m in exact + ["truncated T=8"]]
+        + [("96", "upstream", "fake"), ("96", "upstream+checkpointing", "fake")]
+        + [("96", m, "real") for m in exact[2:] + ["truncated T=8"]])
+    for r in rows[:2]:  # the fake-tensor measurement is the real step's, allocation for allocation
+        assert float(r["fake_peak_MiB"]) == float(r["peak_MiB"]) > 0, r
+    losses = [float(r["loss"]) for r in rows[:4]]
+    assert max(losses) - min(losses) <= 1e-5 * losses[0], losses
+    assert all(r["step_time_s"] == "" for r in rows if r["peak_kind"] == "fake")
+    assert all(float(r["step_time_s"]) > 0 and float(r["peak_vs_upstream"]) > 0 for r in rows if r["peak_kind"] == "real")
+    assert [r["shard_tokens"] for r in rows if r["method"] == "adjoint"] == [str(AUTO_SHARD_TOKENS)] * 2  # "auto"
+    shards = read_csv(tmp_path / "mamba_shards.csv")
+    assert [(r["method"], r["shard_tokens"]) for r in shards] == [("adjoint shard=16", "16")]
+    assert "target <= 0.333" in (tmp_path / "mamba.md").read_text()
+    for name in ("mamba_memory.png", "mamba_time.png", "mamba_shards_time.png", "mamba_shards_memory.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mamba_bad_arguments_exit_2(tmp_path):
+    result = run_py([str(REPO / "scripts" / "bench.py"), "mamba", "--truncation", "0", "--out", str(tmp_path)])
+    assert result.returncode == 2 and "--truncation" in result.stderr
+    result = run_py([str(REPO / "scripts" / "bench.py"), "mamba", "--shards", "0", "--out", str(tmp_path)])
+    assert result.returncode == 2 and "--shards" in result.stderr
