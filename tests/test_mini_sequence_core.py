@@ -23,7 +23,7 @@ from transformers.mini_sequence import (
     mlp_chunk_size,
     validate_mini_sequence_chunk,
 )
-from transformers.mini_sequence.config import AUTO_MIN_LM_HEAD_TOKENS
+from transformers.mini_sequence.config import AUTO_MAX_LM_HEAD_LOGITS, AUTO_MIN_LM_HEAD_TOKENS
 from transformers.mini_sequence import loss as ms_loss
 from transformers.mini_sequence.mlp import _MiniSequenceMLPFunction
 from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
@@ -133,6 +133,12 @@ def test_chunk_size_policy():
     assert lm_head_chunk_size("auto", 4096, 128256, 8192) == AUTO_MIN_LM_HEAD_TOKENS == 1024
     assert lm_head_chunk_size("auto", 64, 100, 7) == 1024
     assert lm_head_chunk_size(33, 4096, 128256, 8192) == 33
+    # longer: at most AUTO_MAX_LM_HEAD_LOGITS logits per chunk (8371 tokens of V=128256 from N > 32 * 8371)
+    assert lm_head_chunk_size("auto", 4096, 128256, 32 * 8371) == 8371 == AUTO_MAX_LM_HEAD_LOGITS // 128256
+    assert lm_head_chunk_size("auto", 4096, 128256, 32 * 8371 + 1) == 8371  # uncapped: 8372
+    assert lm_head_chunk_size("auto", 4096, 128256, 1 << 20) == 8371  # uncapped: 32768
+    assert lm_head_chunk_size("auto", 64, 2**22, 1 << 20) == 1024  # the floor wins over the cap
+    assert lm_head_chunk_size(33, 4096, 128256, 1 << 20) == 33
 
 
 def test_config_module_does_not_import_torch():

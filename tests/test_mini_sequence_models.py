@@ -271,6 +271,57 @@ def test_no_sequence_sized_intermediate_allocated(family):
     assert peaks["auto"] < peaks[None]
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_final_norm_by_mini_sequences(family):
+    """The model's final norm with the flag set: exact in fp32 (random weight, so Gemma-2's (1 + w) is
+    exercised), through the chunked Function; in bf16 its backward upcasts one chunk at a time, not the
+    whole sequence; with the flag unset it is the norm's own output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from transformers.mini_sequence import integration
+    from transformers.mini_sequence.mlp import _MiniSequenceMLPFunction
+
+    class LargestFp32(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    gen = torch.Generator().manual_seed(zlib.crc32(family.encode()) % 1000)
+    model = make_model(family, mini_sequence_chunk=7).model
+    with torch.no_grad():
+        model.norm.weight.copy_(torch.randn(model.norm.weight.shape, generator=gen) * 0.5)
+    x = torch.randn(3, SEQ, COMMON["hidden_size"], generator=gen, requires_grad=True)
+    grad_out = torch.randn(x.shape, generator=gen)
+    results = []
+    for chunked in (True, False):
+        x.grad = model.norm.weight.grad = None
+        out = integration.final_norm(model, x) if chunked else model.norm(x)
+        assert (type(out.grad_fn) is _MiniSequenceMLPFunction._backward_cls) == chunked
+        out.backward(grad_out)
+        results.append((out.detach(), x.grad, model.norm.weight.grad))
+    for got, want, what in zip(results[0], results[1], ("output", "input grad", "weight grad")):
+        assert_close(got, want, RTOL, what)
+
+    off = make_model(family).model
+    assert torch.equal(integration.final_norm(off, x), off.norm(x))
+
+    seq = 256  # "auto": chunks of hidden_size = 32 tokens
+    for chunk in ("auto", None):
+        model = make_model(family, mini_sequence_chunk=chunk).model.to(torch.bfloat16)
+        x16 = torch.randn(2, seq, COMMON["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+        with LargestFp32() as mode:
+            integration.final_norm(model, x16).sum().backward()
+        if chunk is None:
+            assert mode.largest == x16.numel()  # upstream: the whole sequence upcast
+        else:
+            assert mode.largest <= 2 * COMMON["hidden_size"] * COMMON["hidden_size"], mode.largest
+
+
 # ----------------------------------------------------------------------------- Trainer
 
 

@@ -82,16 +82,23 @@ def streaming_chunk_size(value, hidden_size: int) -> int:
 # 4.35 s, 33 (= N / ceil(V/d)) 2.13 s, 128 1.40 s, 1024 1.27 s. Long sequences keep the paper's
 # M = ceil(V / d) chunks once N / M exceeds it (Llama-3-8B: N > 32K tokens).
 AUTO_MIN_LM_HEAD_TOKENS = 1024
+# ... and never more logits per chunk than this: N / M grows with the sequence (Llama-3-8B at 1M tokens:
+# 32K-token chunks, 8 GiB of bf16 logits next to their fp32 row blocks), while a chunk of thousands of
+# tokens already re-reads the [V, d] weight rarely. 2**30 logits are 2 GiB in bf16: chunks of at most
+# 8371 tokens for Llama-3's V=128256 (from 268K tokens on), 4194 for Gemma-2's 256000.
+AUTO_MAX_LM_HEAD_LOGITS = 2**30
 
 
 def lm_head_chunk_size(value, hidden_size: int, vocab_size: int, num_tokens: int) -> int:
     """Tokens per LM-head mini-sequence. ``"auto"`` -> ``ceil(num_tokens / M)`` with
     ``M = ceil(vocab_size / hidden_size)`` (MsT §3.4: one chunk of logits [C, V] is then about
-    the size of the hidden states [N, d]), but at least ``AUTO_MIN_LM_HEAD_TOKENS``."""
+    the size of the hidden states [N, d]), at most ``AUTO_MAX_LM_HEAD_LOGITS / vocab_size`` and at
+    least ``AUTO_MIN_LM_HEAD_TOKENS``."""
     validate_mini_sequence_chunk(value)
     if value is None:
         raise ValueError(f"`{FIELD_NAME}` is None: mini-sequence processing is disabled")
     if value == "auto":
         num_mini_sequences = max(1, math.ceil(vocab_size / hidden_size))
-        return max(math.ceil(num_tokens / num_mini_sequences), AUTO_MIN_LM_HEAD_TOKENS)
+        chunk = min(math.ceil(num_tokens / num_mini_sequences), AUTO_MAX_LM_HEAD_LOGITS // vocab_size)
+        return max(chunk, AUTO_MIN_LM_HEAD_TOKENS)
     return value

@@ -1,6 +1,7 @@
 """What the patched model files call: each patched forward adds two lines that call one of these.
 
 - `mlp_forward(mlp, x)`: from `LlamaMLP.forward` & co when `config.mini_sequence_chunk` is set.
+- `final_norm(model, x)`: from `LlamaModel.forward` & co, the final norm (by mini-sequences when set).
 - `computes_loss(model, labels)` / `causal_lm_output(...)`: from `*ForCausalLM.forward`, to compute
   the LM head + causal-LM loss chunk by chunk instead of materializing [B, S, V] logits.
 """
@@ -10,7 +11,7 @@ from ..modeling_outputs import CausalLMOutputWithPast
 from ..utils import logging
 from .config import lm_head_chunk_size, mlp_chunk_size
 from .loss import mini_sequence_causal_lm_loss
-from .mlp import mini_sequence_mlp
+from .mlp import mini_sequence_mlp, mini_sequence_norm
 
 
 logger = logging.get_logger(__name__)
@@ -26,6 +27,15 @@ def mlp_forward(mlp, hidden_states):
     """The gated MLP of `mlp` on `hidden_states`, one mini-sequence of tokens at a time."""
     config = mlp.config
     return mini_sequence_mlp(mlp, hidden_states, mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size))
+
+
+def final_norm(model, hidden_states):
+    """`model.norm(hidden_states)`; with `mini_sequence_chunk` set, one mini-sequence at a time (mlp.py's
+    `mini_sequence_norm`: no fp32 copies of the whole sequence in its backward)."""
+    config = model.config
+    if not enabled(config):
+        return model.norm(hidden_states)
+    return mini_sequence_norm(model.norm, hidden_states, mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size))
 
 
 def computes_loss(model, labels) -> bool:
