@@ -169,8 +169,9 @@ def _reference_single_gpu_peak(method, seq_len, optimizer_bytes):
 
 def test_one_gpu_equals_the_single_gpu_plan(tiny_config):
     """--gpus 1 --zero 0 --sp 1, no offload: the same lengths and peaks as the one-GPU computation; ZeRO-1/2
-    over one GPU shard nothing, so they too give the same numbers."""
-    budget_gib = 0.12
+    over one GPU shard nothing, so they too give the same numbers. A small budget (plans of 256-512 tokens):
+    the reference runs real bf16 steps, which at the 16K tokens that 0.12 GiB now allows streaming take hours on CPU."""
+    budget_gib = 0.06
     want_len, want_peak = {}, {}
     for method in plan.METHODS:
         peak = lambda s, m=method: _reference_single_gpu_peak(m, s, 0)  # noqa: E731
