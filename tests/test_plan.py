@@ -312,27 +312,3 @@ def test_streamed_methods_refuse_ulysses(tiny_config):
         planner.step_peak_bytes("mini_sequence+streaming", 1024)
     with pytest.raises(plan.PlanError, match="--zero 3 --offload inputs: not planned"):
         plan.plan(str(tiny_config), 80, gpus=2, zero=3, offload=["inputs"], methods=["mini_sequence+streaming"])
-
-
-def test_planner_parameters_take_the_function_path():
-    """Under FakeTensorMode `nn.Parameter(fake)` is a FakeTensor flagged `_is_param`, not an `nn.Parameter`. The
-    planner's MLP, LM head and streamed layers must still take the chunked Function path, as the real model's do
-    (the wrapper path checkpoints each chunk: more saved for backward, an overestimate of the peak)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers.mini_sequence import streaming, wrappers
-
-    planner = plan.Planner(transformers.LlamaConfig(**TINY))
-    with FakeTensorMode():
-        model, _ = planner._build(plan.METHODS["mini_sequence+streaming"])
-        layer = model.model.layers[0]
-        assert [id(p) for p in wrappers.function_parameters(layer.mlp) or []] == [id(p) for p in layer.mlp.parameters()]
-        assert [id(p) for p in wrappers.function_parameters(model.lm_head) or []] == [id(model.lm_head.weight)]
-        assert streaming._layer_parameters(layer) is not None
-        # Still not plain: a fake leaf that is not a parameter, a non-leaf, a ZeRO-3 (ds_id) parameter.
-        weight = layer.mlp.up_proj.weight
-        assert wrappers._is_plain_parameter(weight)
-        assert not wrappers._is_plain_parameter(torch.empty(3, requires_grad=True))
-        assert not wrappers._is_plain_parameter(weight * 2)
-        zero3 = torch.nn.Parameter(torch.empty(3))
-        zero3.ds_id = 0
-        assert not wrappers._is_plain_parameter(zero3)
