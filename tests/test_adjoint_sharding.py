@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from test_mini_sequence_models import assert_close, batch, train_step
-from test_streaming import seed_of
+from test_streaming import assert_bf16_as_accurate_as_upstream, seed_of
 from tiny_models import SSM_FAMILIES, make_config, make_model
 from transformers.adjoint_sharding import config as adjoint_config
 from transformers.adjoint_sharding import scan
@@ -285,23 +285,7 @@ def test_linear_scan_against_a_loop(length):
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_bf16_as_accurate_as_upstream(family):
-    """bf16 with adjoint sharding is as accurate as upstream bf16, both against fp32 from the same bf16
-    weights and inputs (relative-norm error of all gradients and of the loss)."""
-    inputs = batch(14, seq=96)
-    model16 = make_model(family).to(torch.bfloat16)
-    model32 = make_model(family)
-    model32.load_state_dict({k: v.float() for k, v in model16.state_dict().items()})
-    ref_out, ref_grads, ref_embeds = train_step(model32, *inputs)
-    reference = torch.cat([g.double().flatten() for g in [*ref_grads.values(), ref_embeds]])
-    errors = {}
-    for shard in (None, 9):
-        model = make_model(family, adjoint_sharding_chunk=shard).to(torch.bfloat16)
-        out, grads, embeds = train_step(model, *inputs)
-        flat = torch.cat([g.double().flatten() for g in [*grads.values(), embeds]])
-        errors[shard] = ((flat - reference).norm() / reference.norm()).item(), abs(out.loss.item() - ref_out.loss.item())
-    (grad_up, loss_up), (grad_ours, loss_ours) = errors[None], errors[9]
-    assert grad_ours <= 1.25 * grad_up, f"gradient error {grad_ours:.2e} vs upstream bf16 {grad_up:.2e}"
-    assert loss_ours <= 1.5 * loss_up + 1e-3, f"loss error {loss_ours:.2e} vs upstream bf16 {loss_up:.2e}"
+    assert_bf16_as_accurate_as_upstream(family, adjoint_sharding_chunk=9)
 
 
 # ----------------------------------------------------------------------------- unchanged paths

@@ -174,24 +174,28 @@ def test_attention_dropout_replayed(monkeypatch):
 # ----------------------------------------------------------------------------- bf16
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bf16_as_accurate_as_upstream(family):
-    """bf16 with streaming is as accurate as upstream bf16, both against fp32 from the same bf16
-    weights and inputs (relative-norm error of all gradients and of the loss)."""
+def assert_bf16_as_accurate_as_upstream(family, **flags):
+    """bf16 with `flags` is as accurate as upstream bf16, both against fp32 from the same bf16 weights and
+    inputs (relative-norm error of all gradients and of the loss). Shared with test_adjoint_sharding.py."""
     inputs = batch(14, seq=96)
     model16 = make_model(family).to(torch.bfloat16)
     model32 = make_model(family)
     model32.load_state_dict({k: v.float() for k, v in model16.state_dict().items()})
     ref_out, ref_grads, ref_embeds = train_step(model32, *inputs)
     reference = torch.cat([g.double().flatten() for g in [*ref_grads.values(), ref_embeds]])
-    errors = {}
-    for chunk in (None, 9):
-        out, grads, embeds = train_step(make_model(family, streaming_backward_chunk=chunk).to(torch.bfloat16), *inputs)
+    errors = []
+    for model_flags in ({}, flags):
+        out, grads, embeds = train_step(make_model(family, **model_flags).to(torch.bfloat16), *inputs)
         flat = torch.cat([g.double().flatten() for g in [*grads.values(), embeds]])
-        errors[chunk] = ((flat - reference).norm() / reference.norm()).item(), abs(out.loss.item() - ref_out.loss.item())
-    (grad_up, loss_up), (grad_ours, loss_ours) = errors[None], errors[9]
+        errors.append((((flat - reference).norm() / reference.norm()).item(), abs(out.loss.item() - ref_out.loss.item())))
+    (grad_up, loss_up), (grad_ours, loss_ours) = errors
     assert grad_ours <= 1.25 * grad_up, f"gradient error {grad_ours:.2e} vs upstream bf16 {grad_up:.2e}"
     assert loss_ours <= 1.5 * loss_up + 1e-3, f"loss error {loss_ours:.2e} vs upstream bf16 {loss_up:.2e}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_as_accurate_as_upstream(family):
+    assert_bf16_as_accurate_as_upstream(family, streaming_backward_chunk=9)
 
 
 # ----------------------------------------------------------------------------- unchanged paths
