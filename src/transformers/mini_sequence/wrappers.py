@@ -15,7 +15,8 @@ use. Training wrappers break this in three ways, each measured with the flag on 
   flat parameter): `module.parameters()` is empty, and the weights silently got no gradient.
 
 So: `function_parameters(module)` returns the parameters only when nothing can swap them (no
-module hooks, no replaced forward, every weight a registered leaf `nn.Parameter` of plain type);
+module hooks, no replaced forward, every weight a registered leaf `nn.Parameter` of plain type, or
+its FakeTensor twin when the planner runs under FakeTensorMode);
 otherwise it returns None and the caller takes `checkpointed_chunks`, which routes every gradient
 through ordinary autograd (non-reentrant checkpointing of each chunk: same memory, one
 recomputation per chunk), so whatever the wrapper does to its parameters, autograd delivers the
@@ -27,6 +28,7 @@ gradient can never disappear silently.
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules import module as _module_globals
 from torch.utils.checkpoint import checkpoint
 
@@ -58,9 +60,13 @@ def _has_hooks(module: torch.nn.Module) -> bool:
 
 
 def _is_plain_parameter(param: torch.Tensor) -> bool:
-    if type(param) is not torch.nn.Parameter or not param.is_leaf:
-        return False  # DTensor (FSDP2 sharded), tensor subclasses, non-leaf views
-    return not hasattr(param, "ds_id")  # DeepSpeed ZeRO-3 partitioned parameter
+    if not param.is_leaf or hasattr(param, "ds_id"):
+        return False  # non-leaf views; DeepSpeed ZeRO-3 partitioned parameter
+    if type(param) is torch.nn.Parameter:
+        return True
+    # Under FakeTensorMode (the planner) `nn.Parameter(fake)` stays a FakeTensor flagged `_is_param`: the
+    # fake twin of a plain parameter. Other subclasses (DTensor: FSDP2 sharded) are not plain.
+    return type(param) is FakeTensor and getattr(param, "_is_param", False)
 
 
 def function_parameters(module: torch.nn.Module) -> list | None:
