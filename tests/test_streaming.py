@@ -13,6 +13,7 @@ import torch
 import transformers
 from test_mini_sequence_models import assert_close, batch, train_step
 from tiny_models import COMMON, FAMILIES, make_config, make_model
+from torch.nn.attention.bias import causal_lower_right
 from transformers.mini_sequence import LiveTensorTracker, streaming
 
 SEQ = 40
@@ -87,6 +88,25 @@ def test_exact_against_unsplit(family, implementation, chunk):
     """Batch 3: left padding on one row, ignored labels, one row fully ignored."""
     compare_streaming(family, chunk, seed_of(family, implementation, chunk),
                       model_kwargs={"attn_implementation": implementation})
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("chunk", [1, 7, SEQ + 5, "auto"], ids=str)
+def test_exact_plain_causal_sdpa_with_lower_right_bias(family, chunk, monkeypatch):
+    """No attention mask (batch 2, no padding, no window): the model passes none, and each chunk goes to torch's
+    SDPA with a lower-right causal bias and GQA (4 query heads, 2 KV heads), not HF's masked, K/V-repeating path."""
+    calls = []
+    monkeypatch.setattr(streaming, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
+    gen = torch.Generator().manual_seed(seed_of(family, "plain", chunk))
+    ids = torch.randint(1, COMMON["vocab_size"], (2, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, torch.randperm(SEQ, generator=gen)[: SEQ // 4]] = -100
+    compare_streaming(family, chunk, 0, inputs=(ids, None, labels), model_kwargs={"attn_implementation": "sdpa"})
+    step = streaming.streaming_chunk_size(chunk, COMMON["hidden_size"])
+    starts = range(0, SEQ, step)
+    # Every chunk, forward and backward, in both layers: (queries, keys) = (chunk length, its causal prefix).
+    expected = [(min(start + step, SEQ) - start, min(start + step, SEQ)) for start in starts]
+    assert sorted(set(calls)) == sorted(set(expected)) and len(calls) == 2 * 2 * len(expected), calls
 
 
 @pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)

@@ -32,8 +32,10 @@ Assumptions (printed with every result):
 - "streaming" is `streaming_backward_chunk` = --streaming-chunk (default "auto"), without
   checkpointing (it replaces it): each decoder layer keeps its input, and its backward recomputes
   K/V and then one query chunk at a time; the stand-in attention runs each chunk against its causal
-  key prefix with no mask tensor, as FlashAttention does (streaming's SDPA path builds a bool
-  [chunk, prefix] mask per chunk, not counted here);
+  key prefix with no mask tensor, as FlashAttention does: with attn_implementation="sdpa" on CUDA a
+  plainly causal batch (no padding, packing or window shorter than it) takes torch's lower-right
+  causal bias, which dispatches to that kernel (not run on a GPU here); a batch with a mask builds a
+  [chunk, prefix] mask per chunk and repeats K/V to all heads (HF's SDPA path), not counted here;
 Left out: the CUDA context and library workspaces (cuBLAS, NCCL: typically 0.5-2 GiB),
 allocator fragmentation and caching, kernels' scratch memory (e.g. FlashAttention-2's backward
 allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all heads: up to about

@@ -37,6 +37,7 @@ import sys
 import weakref
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from ..utils import logging
 from ._state import (
@@ -169,6 +170,12 @@ class _StreamedLayer:
             self.attention_kwargs["sliding_window"] = self.window
         if getattr(attn, "attn_logit_softcapping", None) is not None:
             self.attention_kwargs["softcap"] = attn.attn_logit_softcapping
+        self.plain_causal_sdpa = (
+            implementation == "sdpa"
+            and attention_mask is None
+            and (self.window is None or self.window >= seq_len)  # a window longer than the sequence cuts nothing
+            and "softcap" not in self.attention_kwargs
+        )
 
     def _window_start(self, start: int) -> int:
         """First key a query chunk starting at `start` can see: 0, or the sliding window's first key."""
@@ -257,6 +264,30 @@ class _StreamedLayer:
             values[:, :, start:end].copy_(v)
         return keys, values
 
+    def chunk_attention(self, queries, keys, values, index: int):
+        """Attention of query chunk `index` against its key range; [B, T, heads, head_dim] as HF's functions give.
+
+        A plainly causal SDPA chunk (the model passed no mask: no padding or packing, no window shorter than the
+        sequence) goes to torch's
+        SDPA with a lower-right causal bias: on CUDA that runs FlashAttention's causal kernel for an offset
+        chunk with no mask tensor and no K/V repeated to every query head (`enable_gqa`), where HF's function,
+        given the chunk's mask, would build a [chunk, keys] mask and expand K/V; on CPU torch materializes the
+        same boolean mask `chunk_mask` builds. Everything else goes through the model's attention function."""
+        start, end = self.chunks[index]
+        if self.plain_causal_sdpa:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=causal_lower_right(queries.shape[-2], keys.shape[-2]),
+                dropout_p=self.attention_kwargs["dropout"],
+                scale=self.attention_kwargs["scaling"],
+                enable_gqa=queries.shape[1] != keys.shape[1],
+            )
+            return out.transpose(1, 2)
+        mask = self.chunk_mask(start, end, *self.key_ranges[index])
+        return self.attention(self.attn, queries, keys, values, mask, **self.attention_kwargs)[0]
+
     def chunk_output(self, x_chunk, keys, values, index: int):
         """The layer's output rows of chunk `index`, given K/V rows `self.key_ranges[index]`."""
         start, end = self.chunks[index]
@@ -265,9 +296,7 @@ class _StreamedLayer:
         shape = (*x_chunk.shape[:-1], -1, attn.head_dim)
         queries = attn.q_proj(normed).view(shape).transpose(1, 2)
         queries = _rope(queries, self.cos[:, start:end], self.sin[:, start:end], self.rotate_half)
-        attn_out, _ = self.attention(
-            attn, queries, keys, values, self.chunk_mask(start, end, *self.key_ranges[index]), **self.attention_kwargs
-        )
+        attn_out = self.chunk_attention(queries, keys, values, index)
         attn_out = attn.o_proj(attn_out.reshape(*x_chunk.shape[:-1], -1).contiguous())
         if self.layout == _GEMMA2:
             hidden = x_chunk + layer.post_attention_layernorm(attn_out)
