@@ -32,6 +32,7 @@ results committed under docs/bench/ are written on purpose with --out docs/bench
 
 import argparse
 import csv
+import itertools
 import math
 import statistics
 import sys
@@ -348,28 +349,26 @@ def sweep_streaming(args, device):
         trainees = {name: trainee("gemma2", m, seq, device, torch.float32) for name, m in settings.items()}
         run("gemma2", "gemma2", torch.float32, seq, trainees, 0, "flag off")
         del trainees
-    if "activation" in args.parts:
-        seq = args.activation_seq
-        for dtype in (torch.float32, torch.bfloat16):
-            results = {}
-            for name in ("mini_sequence+checkpointing", "mini_sequence+streaming"):
-                t = trainee("llama", METHODS[name], seq, device, dtype)
-                weights = resident_training_bytes(t.model)
-                grads = sum(q.numel() * q.element_size() for q in t.model.parameters() if q.requires_grad)
-                print(f"streaming: activation {name} {dtype} S={seq} ...", file=sys.stderr, flush=True)
-                with LiveTensorTracker() as tracker:  # (CPU; on CUDA use the chunks part)
-                    loss = t.model(input_ids=t.ids, labels=t.ids).loss
-                    loss.backward()
-                results[name] = (weights + tracker.peak_bytes, tracker.peak_bytes - grads, loss.item())
-                del t, loss
-            ref = results["mini_sequence+checkpointing"]
-            for name, (peak, activation, loss) in results.items():
-                rows.append({"part": "activation", "family": "llama", "dtype": str(dtype).removeprefix("torch."),
-                             "seq_len": seq, "setting": name, "peak_MiB": round(peak / MIB, 1),
-                             "activation_MiB": round(activation / MIB, 1), "step_time_s": None,
-                             "first_loss": round(loss, 6), "reference": "mini_sequence+checkpointing",
-                             "peak_vs_ref": round(peak / ref[0], 3), "activation_vs_ref": round(activation / ref[1], 3),
-                             "time_vs_ref": None})
+    for seq, dtype in itertools.product(args.activation_seq if "activation" in args.parts else [], args.activation_dtypes):
+        results = {}
+        for name in ("mini_sequence+checkpointing", "mini_sequence+streaming"):
+            t = trainee("llama", METHODS[name], seq, device, dtype)
+            weights = resident_training_bytes(t.model)
+            grads = sum(q.numel() * q.element_size() for q in t.model.parameters() if q.requires_grad)
+            print(f"streaming: activation {name} {dtype} S={seq} ...", file=sys.stderr, flush=True)
+            with LiveTensorTracker() as tracker:  # (CPU; on CUDA use the chunks part)
+                loss = t.model(input_ids=t.ids, labels=t.ids).loss
+                loss.backward()
+            results[name] = (weights + tracker.peak_bytes, tracker.peak_bytes - grads, loss.item())
+            del t, loss
+        ref = results["mini_sequence+checkpointing"]
+        for name, (peak, activation, loss) in results.items():
+            rows.append({"part": "activation", "family": "llama", "dtype": str(dtype).removeprefix("torch."),
+                         "seq_len": seq, "setting": name, "peak_MiB": round(peak / MIB, 1),
+                         "activation_MiB": round(activation / MIB, 1), "step_time_s": None,
+                         "first_loss": round(loss, 6), "reference": "mini_sequence+checkpointing",
+                         "peak_vs_ref": round(peak / ref[0], 3), "activation_vs_ref": round(activation / ref[1], 3),
+                         "time_vs_ref": None})
     if "chunks" in args.parts:
         for seq in args.chunk_seq:
             trainees = {"mini_sequence+checkpointing": trainee("llama", ms_ckpt, seq, device, args.dtype)}
@@ -567,7 +566,9 @@ def build_parser():
     parser.add_argument("--parts", nargs="+", default=list(STREAMING_PARTS), choices=list(STREAMING_PARTS),
                         help="for `streaming`: which parts to run")
     parser.add_argument("--gemma2-seq", type=int, default=4096, help="for `streaming` (gemma2 part)")
-    parser.add_argument("--activation-seq", type=int, default=32768, help="for `streaming` (activation part)")
+    parser.add_argument("--activation-seq", type=int, nargs="+", default=[32768], help="for `streaming` (activation part)")
+    parser.add_argument("--activation-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                        help="for `streaming` (activation part)")
     parser.add_argument("--chunk-seq", type=int, nargs="+", default=[8192, 16384], help="for `streaming` (chunks part)")
     parser.add_argument("--streaming-chunks", nargs="+", default=["256", "512", "1024", "2048", "4096", "auto"],
                         help='streaming_backward_chunk values for `streaming` (chunks part): ints or "auto"')
@@ -611,7 +612,8 @@ def main(argv=None):
     if min(args.truncation, args.upstream_repeats, args.shard_seq, args.fake_check_seq, *args.shards, *args.fake_seq) < 1:
         parser.error("--truncation, --upstream-repeats, --shard-seq, --fake-check-seq, --fake-seq and --shards "
                      "values must be positive ints")
-    if min(args.gemma2_seq, args.activation_seq, *args.chunk_seq) < 2:
+    args.activation_dtypes = [getattr(torch, d) for d in args.activation_dtypes]
+    if min(args.gemma2_seq, *args.activation_seq, *args.chunk_seq) < 2:
         parser.error("--gemma2-seq, --activation-seq and --chunk-seq values must be >= 2")
     try:
         args.streaming_chunks = [c if c == "auto" else int(c) for c in args.streaming_chunks]
