@@ -109,6 +109,21 @@ def test_exact_plain_causal_sdpa_with_lower_right_bias(family, chunk, monkeypatc
     assert sorted(set(calls)) == sorted(set(expected)) and len(calls) == 2 * 2 * len(expected), calls
 
 
+def test_lower_right_bias_under_dispatch_modes():
+    """torch cannot create its CausalBias subclass under a TorchDispatchMode: the streamed chunk must still run
+    under one (our memory tracker, as the bench uses it; FakeTensorMode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ids = torch.randint(1, COMMON["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(3))
+    model = make_model("llama", streaming_backward_chunk=7, attn_implementation="sdpa").train()
+    with LiveTensorTracker() as tracker:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert tracker.peak_bytes > 0
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_ids = torch.zeros(1, SEQ, dtype=torch.long)
+        model(input_ids=fake_ids, labels=fake_ids).loss.backward()
+
+
 @pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
 def test_exact_with_mini_sequence_and_right_padding(family, implementation):
     ids, mask, labels = batch(seed_of(family, "right"))

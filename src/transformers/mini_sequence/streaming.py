@@ -38,6 +38,7 @@ import weakref
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..utils import logging
 from ._state import (
@@ -93,6 +94,14 @@ def _sliding_window(attn):
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
     return getattr(attn.config, "sliding_window", None)
+
+
+def _lower_right_causal_bias(q_len: int, kv_len: int):
+    """torch's lower-right causal bias (a Tensor subclass holding only the sizes), created with any active
+    TorchDispatchMode (a memory tracker, FakeTensorMode) suspended: torch cannot create that subclass under
+    one. The attention call itself runs under the modes as usual."""
+    with _disable_current_modes():
+        return causal_lower_right(q_len, kv_len)
 
 
 def _rope(states, cos, sin, rotate_half):
@@ -279,7 +288,7 @@ class _StreamedLayer:
                 queries,
                 keys,
                 values,
-                attn_mask=causal_lower_right(queries.shape[-2], keys.shape[-2]),
+                attn_mask=_lower_right_causal_bias(queries.shape[-2], keys.shape[-2]),
                 dropout_p=self.attention_kwargs["dropout"],
                 scale=self.attention_kwargs["scaling"],
                 enable_gqa=queries.shape[1] != keys.shape[1],
