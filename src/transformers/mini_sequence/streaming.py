@@ -14,9 +14,10 @@ Alive at once: the input, K, V, dK, dV and one chunk's working set (no [B, heads
 full-sequence Q or attention output). The forward runs the same chunks without graph, so forward and
 backward see the same arithmetic. Gradients equal the unsplit layer's to fp32 rounding: attention of
 a query row only reads the keys its mask allows, and the chunk's mask is the exact slice of the full
-mask (or, when the model passed none because the attention is plainly causal, the causal/sliding
-mask built by `masking_utils.sdpa_mask` with the chunk's offsets: SDPA's own `is_causal` aligns the
-mask top-left and would be wrong for every chunk after the first).
+mask (or, when the model passed none because the attention is plainly causal, torch's lower-right
+causal bias for SDPA, or the causal/sliding mask built by `masking_utils.sdpa_mask` with the chunk's
+offsets: SDPA's own `is_causal` aligns the mask top-left and would be wrong for every chunk after the
+first).
 
 When gradient checkpointing is on too, streaming replaces it for these layers (one recompute, not
 two): `modeling_layers.GradientCheckpointingLayer` asks `applies(layer)` first. Eval, generation and
@@ -277,11 +278,11 @@ class _StreamedLayer:
         """Attention of query chunk `index` against its key range; [B, T, heads, head_dim] as HF's functions give.
 
         A plainly causal SDPA chunk (the model passed no mask: no padding or packing, no window shorter than the
-        sequence) goes to torch's
-        SDPA with a lower-right causal bias: on CUDA that runs FlashAttention's causal kernel for an offset
-        chunk with no mask tensor and no K/V repeated to every query head (`enable_gqa`), where HF's function,
-        given the chunk's mask, would build a [chunk, keys] mask and expand K/V; on CPU torch materializes the
-        same boolean mask `chunk_mask` builds. Everything else goes through the model's attention function."""
+        sequence) goes to torch's SDPA with a lower-right causal bias: on CUDA that runs FlashAttention's causal
+        kernel for an offset chunk with no mask tensor and no K/V repeated to every query head (`enable_gqa`),
+        where HF's function, given the chunk's mask, would build a [chunk, keys] mask and expand K/V; on CPU
+        torch materializes the same boolean mask `chunk_mask` builds. Everything else goes through the model's
+        attention function."""
         start, end = self.chunks[index]
         if self.plain_causal_sdpa:
             out = torch.nn.functional.scaled_dot_product_attention(
