@@ -119,13 +119,14 @@ class Trainee:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.ids = tokens(seq, self.model.config.vocab_size, device)
         self.device = device
+        self.fake = False  # a step under FakeTensorMode (MambaTrainee) has no loss value
 
     def step(self):
         loss = self.model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return None if self.fake else loss.item()
 
     def timed_step(self):
         sync(self.device)
@@ -172,13 +173,6 @@ class MambaTrainee(Trainee):
         self.ids = torch.zeros(1, seq, dtype=torch.long, device=device) if fake else tokens(seq, config.vocab_size, device)
         self.device = device
         self.fake = fake
-
-    def step(self):
-        loss = self.model(input_ids=self.ids, labels=self.ids).loss
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return None if self.fake else loss.item()
 
     def warm_up(self):
         ids, self.ids = self.ids, self.ids[:, : self.WARM_UP_TOKENS]
