@@ -295,7 +295,8 @@ def test_streaming_plans_below_checkpointing_at_long_sequences():
 
 def test_streamed_layer_input_offload():
     """--offload inputs with streaming: each layer's saved input [S, d] is in host memory after the forward
-    (host peak = all of them), and the GPU peak drops."""
+    (host peak = all of them), and the GPU peak drops by all of them but one chunk: the streamed backward
+    reads its input back one query chunk at a time (checkpointed layers bring theirs back whole)."""
     config = transformers.LlamaConfig(**GQA)
     kept = plan.Planner(config, optimizer="none", optimizer_in_backward=True)
     offloaded = plan.Planner(config, optimizer="none", optimizer_in_backward=True,
@@ -305,7 +306,9 @@ def test_streamed_layer_input_offload():
     for method in STREAMED:
         assert offloaded.host_bytes(method, seq) == layer_inputs, method
         assert kept.host_bytes(method, seq) == 0
-        assert offloaded.step_peak_bytes(method, seq) < kept.step_peak_bytes(method, seq), method
+        saved = kept.step_peak_bytes(method, seq) - offloaded.step_peak_bytes(method, seq)
+        one_chunk = TINY["hidden_size"] * TINY["hidden_size"] * 2  # "auto": d query tokens of [., d] bf16
+        assert layer_inputs - one_chunk <= saved <= layer_inputs, (method, saved, layer_inputs)
 
 
 def test_streamed_methods_refuse_ulysses(tiny_config):

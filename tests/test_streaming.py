@@ -182,6 +182,77 @@ def test_wrapper_path_exact(family, monkeypatch):
     compare_streaming(family, 7, seed_of(family, "wrapped"), model_kwargs={"mini_sequence_chunk": 6})
 
 
+class RecordingHostStorage(streaming.HostStorage):
+    """The library's host storage, recording what it saves and which rows it brings back."""
+
+    def __init__(self):
+        self.saved, self.loads = [], []
+
+    def save(self, x):
+        self.saved.append(tuple(x.shape))
+        return super().save(x)
+
+    def load(self, saved, start, end, device):
+        self.loads.append((start, end))
+        return super().load(saved, start, end, device)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_offloaded_input_read_back_by_chunks(family):
+    """activation_checkpointing_enable(offload=True) with streaming: each streamed layer keeps its input on the
+    host (one save per layer and step, not the accelerator tensor) and its backward reads it back one chunk at a
+    time; exact against upstream's checkpointing on a padded batch. (Upstream's own offload=True cannot be the
+    reference here: on a machine without an accelerator it asks for pinned memory and fails.)"""
+    storage = RecordingHostStorage()
+
+    def prepare(model):
+        model.activation_checkpointing_enable(offload=model.config.streaming_backward_chunk is not None)
+        return model
+
+    with streaming.use_host_storage(storage):
+        compare_streaming(family, 7, seed_of(family, "offload"), prepare=prepare, model_kwargs={"mini_sequence_chunk": 6})
+    ids = batch(seed_of(family, "offload"))[0]
+    assert storage.saved == [tuple(ids.shape) + (COMMON["hidden_size"],)] * COMMON["num_hidden_layers"]
+    # Per layer: K/V pass, query chunks, K/V backward: three sweeps over the chunks, never more than one chunk.
+    chunks = [(start, min(start + 7, ids.shape[1])) for start in range(0, ids.shape[1], 7)]
+    assert storage.loads == chunks * 3 * COMMON["num_hidden_layers"]
+
+
+def test_offload_follows_the_checkpointed_layers():
+    """Only layers whose checkpointing was enabled with offload=True offload (every_n_layers=2: the first);
+    without offload, or without checkpointing, the input stays where it is."""
+    for enable, expected in ((dict(offload=True, every_n_layers=2), 1), (dict(offload=False), 0), (None, 0)):
+        storage = RecordingHostStorage()
+        model = make_model("llama", streaming_backward_chunk=7)
+        if enable is not None:
+            model.activation_checkpointing_enable(**enable)
+        with streaming.use_host_storage(storage):
+            train_step(model, *batch(seed_of("every_n", expected)))
+        assert len(storage.saved) == expected, enable
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_wrapper_path_with_offload_exact(family, monkeypatch):
+    """The nested-checkpoint path (ZeRO-3, FSDP1) with offload=True saves through torch's save_on_cpu, as
+    upstream's offloaded checkpointing does; exact."""
+    entered = []
+    save_on_cpu = torch.autograd.graph.save_on_cpu
+
+    def recording_save_on_cpu(*args, **kwargs):
+        entered.append(kwargs)
+        return save_on_cpu(*args, **kwargs)
+
+    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer: None)
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", recording_save_on_cpu)
+
+    def prepare(model):  # (the flag-off reference without offload: see above)
+        model.activation_checkpointing_enable(offload=model.config.streaming_backward_chunk is not None)
+        return model
+
+    compare_streaming(family, 7, seed_of(family, "wrapped-offload"), prepare=prepare)
+    assert [e["pin_memory"] for e in entered] == [False] * COMMON["num_hidden_layers"]  # CPU tensors: not pinned
+
+
 def test_attention_dropout_replayed(monkeypatch):
     """With attention dropout the streamed backward must replay the forward's draws: the Function path
     gives the same loss and gradients as plain autograd through the same chunks (the wrapper path,

@@ -48,6 +48,7 @@ import functools
 import json
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -120,10 +121,12 @@ Multi-GPU (--gpus/--zero/--sp/--offload), per GPU (rank); every figure is an est
 - --offload optimizer: the optimizer states (fp32 master weights included with
   adamw-fp32-master) live in host memory and the step runs there; gradients stay on the GPU as
   the ZeRO stage shards them;
-- --offload inputs (with checkpointing or streaming): each decoder layer's checkpointed (streamed:
-  saved) input [S/sp, d] goes to host memory in forward; in backward one is on the GPU in use (whole,
-  for the layer's whole backward) and one more in flight (prefetch); streaming is planned with sp=1
-  only, and not with ZeRO-3 + --offload inputs;
+- --offload inputs (with checkpointing or streaming): `activation_checkpointing_enable(offload=True)`:
+  each decoder layer's checkpointed (streamed: saved) input [S/sp, d] goes to host memory in forward.
+  Checkpointed layers: in backward one is on the GPU in use (whole, for the layer's whole backward)
+  and one more in flight (prefetch). Streamed layers bring theirs back one query chunk at a time, as
+  the library does (streaming.HostStorage: the planner counts its host copies, the chunks it loads
+  are allocated on the GPU); streaming is planned with sp=1 only, and not with ZeRO-3 + --offload inputs;
 - left out as well: DeepSpeed's communication buckets (reduce_bucket_size, stage3 prefetch and
   max-live-parameters buffers: set them small), NCCL buffers, parameter prefetching beyond one
   module, pinned-memory staging; host memory counts only offloaded tensors (per GPU: multiply by
@@ -319,29 +322,29 @@ class _StepHooks:
             return _GatherInBackward.apply(output, self, module)
         return output
 
-    # --offload inputs for streamed layers: the one tensor a streamed layer saves for backward is its input;
-    # it goes to the host while the layer's forward runs (saved-tensor hooks entered and left around it).
-    def offload_saved_tensors(self, module, args):
-        self.saving = torch.autograd.graph.saved_tensors_hooks(self.to_host, self.from_host)
-        self.saving.__enter__()
-
-    def stop_offloading(self, module, args, output):
-        self.saving.__exit__(None, None, None)
-
-    def to_host(self, tensor):
-        nbytes = tensor.numel() * tensor.element_size()
+    # --offload inputs for streamed layers: stand-in for the library's streaming.HostStorage. The input's
+    # host copy holds no bytes here (counted as host memory until the layer's backward is done with it);
+    # each chunk the backward reads back is allocated on the GPU.
+    def save(self, x):
+        nbytes = x.numel() * x.element_size()
+        saved = _HostCopy(x.shape, x.dtype)
         self.host_bytes += nbytes
         self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
-        return tensor.shape, tensor.dtype, tensor.device, nbytes  # nothing of it stays on the GPU
+        weakref.finalize(saved, self._free_host, nbytes)
+        return saved
 
-    def from_host(self, packed):
-        # In the layer's backward: the input back on the GPU (for the whole layer backward), and the
-        # previous layer's input in flight (prefetch), as for checkpointed layers (_OffloadedCheckpoint).
-        shape, dtype, device, nbytes = packed
+    def _free_host(self, nbytes):
         self.host_bytes -= nbytes
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        tensor.mst_prefetch = torch.empty(shape, dtype=dtype, device=device)  # lives as long as the input
-        return tensor
+
+    def load(self, saved, start, end, device):
+        return torch.empty((saved.shape[0], end - start, *saved.shape[2:]), dtype=saved.dtype, device=device)
+
+
+class _HostCopy:
+    """What the planner's host storage keeps of a streamed layer's input: its shape and dtype."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
 
 
 def _gather(module):
@@ -479,12 +482,10 @@ class Planner:
                     module.register_forward_pre_hook(hooks.gather_for_forward)
                     module.register_forward_hook(hooks.release_after_forward)
         if method.streaming_backward_chunk is not None and "inputs" in self.parallel.offload:
-            layers = [m for m in model.modules() if streaming.applies(m)]
-            if not layers:
+            # What a user does: checkpointing with offload, which streaming replaces and honours (HostStorage).
+            model.activation_checkpointing_enable(offload=True)
+            if not any(streaming.applies(m) and streaming._offload_requested(m) for m in model.modules()):
                 raise PlanError(f"{type(model).__name__}: no streamed decoder layers found for --offload inputs")
-            for layer in layers:
-                layer.register_forward_pre_hook(hooks.offload_saved_tensors)
-                layer.register_forward_hook(hooks.stop_offloading)
         elif checkpointing and "inputs" in self.parallel.offload:
             layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
             if not layers:
@@ -501,7 +502,7 @@ class Planner:
         with FakeTensorMode() if fake else contextlib.nullcontext():
             model, hooks = self._build(METHODS[method])
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
-            with LiveTensorTracker(keep_largest=0) as tracker:
+            with LiveTensorTracker(keep_largest=0) as tracker, streaming.use_host_storage(hooks):
                 model(input_ids=ids, labels=ids).loss.backward()
         self._host[(method, seq_len)] = hooks.host_peak_bytes
         return tracker.peak_bytes

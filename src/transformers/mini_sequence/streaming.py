@@ -21,7 +21,10 @@ first).
 
 When gradient checkpointing is on too, streaming replaces it for these layers (one recompute, not
 two): `modeling_layers.GradientCheckpointingLayer` asks `applies(layer)` first. Eval, generation and
-frozen layers run upstream's forward.
+frozen layers run upstream's forward. If checkpointing was enabled with `offload=True`, the streamed
+layer keeps its input in (pinned) host memory instead, and its backward brings it back one chunk at a
+time (`HostStorage`): the accelerator never holds a layer's whole input again, only K, V, their
+gradients, the input gradient and one chunk.
 
 Wrappers: the Function takes the layer's parameters as inputs when they are plain, hook-free leaf
 parameters while the layer runs (one process, DDP, PEFT LoRA, and FSDP2 with decoder layers as units:
@@ -125,6 +128,55 @@ def _mask_allows(mask_part: torch.Tensor) -> bool:
 def _has_blind_row(mask_rows: torch.Tensor) -> bool:
     """Whether some query row of the mask allows no key at all."""
     return not bool(_allowed(mask_rows).any(dim=-1).all())
+
+
+class HostStorage:
+    """Where an offloaded streamed layer keeps its input: a host copy (pinned when the input is on an
+    accelerator, as upstream's `save_on_cpu(pin_memory=True)` does), read back by row ranges. The copies
+    run on the current stream, like upstream's offload. The planner swaps in a stand-in (`use_host_storage`)
+    that holds no bytes and counts them as host memory."""
+
+    def save(self, x: torch.Tensor):
+        pinnable = x.device.type != "cpu" and torch.get_device_module(x.device).is_available()
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=pinnable)
+        host.copy_(x, non_blocking=pinnable)
+        return host
+
+    def load(self, saved, start: int, end: int, device: torch.device) -> torch.Tensor:
+        """Rows [start, end) of the saved input, on `device`."""
+        return saved[:, start:end].to(device, non_blocking=saved.is_pinned())
+
+
+HOST_STORAGE = [HostStorage()]  # the one in use: the last
+
+
+class use_host_storage:
+    """Context manager: offloaded streamed layers use `storage` (an object with `save` and `load`) inside."""
+
+    def __init__(self, storage):
+        self.storage = storage
+
+    def __enter__(self):
+        HOST_STORAGE.append(self.storage)
+        return self.storage
+
+    def __exit__(self, *exc):
+        HOST_STORAGE.remove(self.storage)
+
+
+class _SavedInput:
+    """A streamed layer's input as its backward reads it: rows [start, end) at a time, from the accelerator
+    (kept there, as checkpointing keeps it) or from host memory (offload)."""
+
+    def __init__(self, x: torch.Tensor, offload: bool):
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.storage = HOST_STORAGE[-1] if offload else None
+        self.saved = self.storage.save(x) if offload else x
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        if self.storage is None:
+            return self.saved[:, start:end]
+        return self.storage.load(self.saved, start, end, self.device)
 
 
 class _StreamedLayer:
@@ -261,12 +313,13 @@ class _StreamedLayer:
         keys = _rope(keys, self.cos[:, start:end], self.sin[:, start:end], self.rotate_half)
         return keys, values
 
-    def all_keys_values(self, x):
+    def all_keys_values(self, rows):
         """K and V of the whole sequence, computed chunk by chunk (the same arithmetic and dropout draws as
-        the backward's per-chunk recomputation), written into two preallocated tensors."""
+        the backward's per-chunk recomputation), written into two preallocated tensors. `rows(start, end)`
+        gives the layer input's rows."""
         keys = values = None
         for start, end in self.chunks:
-            k, v = self.keys_values(x[:, start:end], start, end)
+            k, v = self.keys_values(rows(start, end), start, end)
             if keys is None:
                 keys = k.new_empty(k.shape[:2] + (self.seq_len,) + k.shape[3:])
                 values = v.new_empty(v.shape[:2] + (self.seq_len,) + v.shape[3:])
@@ -315,7 +368,7 @@ class _StreamedLayer:
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
     def forward_without_graph(self, x):
-        keys, values = self.all_keys_values(x)
+        keys, values = self.all_keys_values(lambda start, end: x[:, start:end])
         out = None
         for index, (start, end) in enumerate(self.chunks):
             kv_start, kv_end = self.key_ranges[index]
@@ -332,31 +385,38 @@ def _sum_into(total, part, start, end, dim):
 
 
 class _StreamedLayerFunction(torch.autograd.Function):
-    """Inputs: x [B, S, d], the `_StreamedLayer`, the layer's parameters that require grad (see mlp.py for why
-    they are inputs). Saves only x; K/V, masks and chunks are rebuilt in backward."""
+    """Inputs: x [B, S, d], the `_StreamedLayer`, whether to keep x in host memory, the layer's parameters
+    that require grad (see mlp.py for why they are inputs). Saves only x (on the accelerator, or on the host:
+    then nothing at all stays on the accelerator); K/V, masks and chunks are rebuilt in backward."""
 
     @staticmethod
-    def forward(ctx, x, streamed, *params):
+    def forward(ctx, x, streamed, offload, *params):
         ctx.autocast_state = capture_autocast_state(x.device.type)
         ctx.rng_state = capture_rng_state(x.device)  # dropout draws replayed in backward
         ctx.streamed, ctx.params = streamed, params
-        ctx.save_for_backward(x)
+        if offload:
+            ctx.saved_input = _SavedInput(x, offload=True)
+        else:
+            ctx.save_for_backward(x)  # (saved-tensor hooks, e.g. a user's save_on_cpu, see it)
+            ctx.saved_input = None
         return streamed.forward_without_graph(x)
 
     @staticmethod
     def backward(ctx, grad_out):
         refuse_create_graph("streaming backward", "streaming_backward_chunk")
-        (x,) = ctx.saved_tensors
+        x = ctx.saved_input
+        if x is None:
+            x = _SavedInput(ctx.saved_tensors[0], offload=False)
         streamed, params = ctx.streamed, ctx.params
         needs_x = ctx.needs_input_grad[0]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
         acc = [None] * len(wanted)
-        grad_x = torch.zeros_like(x) if needs_x else None
+        grad_x = grad_out.new_zeros(x.shape, dtype=x.dtype) if needs_x else None
 
         with restore_autocast_state(ctx.autocast_state):
             with restore_rng_state(ctx.rng_state, x.device):
                 with torch.no_grad():
-                    keys, values = streamed.all_keys_values(x)
+                    keys, values = streamed.all_keys_values(x.rows)
                 # dK/dV are summed over chunks: in fp32 for half-precision K/V, rounded once at the end.
                 sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
                 grad_keys = torch.zeros_like(keys, dtype=sum_dtype)
@@ -364,7 +424,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 with torch.enable_grad():
                     for index, (start, end) in enumerate(streamed.chunks):
                         kv_start, kv_end = streamed.key_ranges[index]
-                        x_chunk = x[:, start:end].detach().requires_grad_(needs_x)
+                        x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
                         k_chunk = keys[:, :, kv_start:kv_end].detach().requires_grad_()
                         v_chunk = values[:, :, kv_start:kv_end].detach().requires_grad_()
                         out = streamed.chunk_output(x_chunk, k_chunk, v_chunk, index)
@@ -383,7 +443,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
             # K/V backward, chunk by chunk, replaying the dropout draws of the forward's K/V pass.
             with restore_rng_state(ctx.rng_state, x.device), torch.enable_grad():
                 for index, (start, end) in enumerate(streamed.chunks):
-                    x_chunk = x[:, start:end].detach().requires_grad_(needs_x)
+                    x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
                     k_chunk, v_chunk = streamed.keys_values(x_chunk, start, end)
                     if index == 0:
                         check_graph_inputs(k_chunk, [x_chunk, *params], "streaming backward (keys)")
@@ -410,8 +470,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
                     f"from {type(streamed.layer).__name__}'s recomputation; refusing to return a missing gradient."
                 )
         param_grads = iter(total.to(p.dtype) for total, p in zip(acc, wanted))
-        all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[2:]]
-        return (grad_x, None, *all_grads)
+        all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[3:]]
+        return (grad_x, None, None, *all_grads)
 
 
 def _forward_with_checkpoints(streamed, x):
@@ -502,6 +562,12 @@ def _check_attention_hooks(attn) -> None:
         )
 
 
+def _offload_requested(layer) -> bool:
+    """Whether the layer's checkpointing, which streaming replaces, was enabled with offload=True (upstream's
+    `activation_checkpointing_enable` tags the function it installs; patch 0013)."""
+    return bool(layer.gradient_checkpointing and getattr(layer._gradient_checkpointing_func, "offload", False))
+
+
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward, for its signature)."""
     cls, layout = _layout(layer)
@@ -535,8 +601,15 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     )
     streamed.plan_key_ranges()
     params = _layer_parameters(layer)
+    offload = _offload_requested(layer)
     if params is None:
-        return _forward_with_checkpoints(streamed, hidden_states)
+        if not offload:
+            return _forward_with_checkpoints(streamed, hidden_states)
+        # As upstream's checkpointing with offload=True does: what the checkpoints save goes to pinned host memory
+        # (not pinned for CPU tensors: torch has no pinned allocator without an accelerator).
+        on_accelerator = hidden_states.device.type != "cpu"
+        with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
+            return _forward_with_checkpoints(streamed, hidden_states)
     if not (hidden_states.requires_grad or params):
         return streamed.forward_without_graph(hidden_states)  # frozen layer, frozen input: nothing to keep
-    return _StreamedLayerFunction.apply(hidden_states, streamed, *params)
+    return _StreamedLayerFunction.apply(hidden_states, streamed, offload, *params)
