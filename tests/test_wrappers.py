@@ -210,7 +210,7 @@ def test_loss_inside_checkpoint_runs_head_once_per_chunk_not_quadratic():
     assert rel_err(loss, ref) < 1e-6 and rel_err(hidden.grad, ref_hidden.grad) < 1e-5
 
 
-@pytest.mark.parametrize("what", ["mlp", "loss"])
+@pytest.mark.parametrize("what", ["mlp", "loss", "wrapped loss"])
 def test_double_backward_raises(what):
     seeded("double " + what)
     x = torch.randn(1, S, D, requires_grad=True)
@@ -219,8 +219,11 @@ def test_double_backward_raises(what):
         out, params = mini_sequence_mlp(mlp, x, 7).square().sum(), list(mlp.parameters())
     else:
         head = CountingLinear(D, V, bias=False)  # not a plain nn.Linear: our Function, not torch's
+        if what == "wrapped loss":  # the checkpointed chunks' cross-entropy Function
+            head = nn.Linear(D, V, bias=False)
+            params = [SwapInUnsharded(head).unsharded]
         out = mini_sequence_causal_lm_loss(x, head, torch.randint(0, V, (1, S)), chunk_size=7, vocab_size=V)
-        params = list(head.parameters())
+        params = params if what == "wrapped loss" else list(head.parameters())
     # Refused at the first backward: returning gradients without a graph would make a gradient
     # penalty's own gradient silently zero.
     with pytest.raises(RuntimeError, match="create_graph=True"):
@@ -258,3 +261,33 @@ def test_composite_model_with_flag_on_text_config_warns(caplog):
         transformers.LlavaForConditionalGeneration(config)
     assert "text_config.mini_sequence_chunk=8" in caplog.text
     assert "LlavaForConditionalGeneration computes its LM head" in caplog.text
+
+
+def test_wrapped_lm_loss_peak_equals_function_path_in_bf16():
+    """On the wrapper path (a head whose weight a wrapper swaps: ZeRO-3, FSDP) each checkpointed chunk's loss
+    is computed a few rows at a time in fp32, as the Function path does: no fp32 copy of a chunk's [C, V]
+    logits, no fp32 log-probabilities or gradient (upstream's `F.cross_entropy(logits.float())` in the chunk
+    held them: 2.6x the Function path's peak here, now 1.2x: what is left is the [V, d] weight gradient of
+    one chunk that autograd builds before adding it into `.grad`). Same loss and hidden-state gradient as
+    the Function path."""
+    from transformers.mini_sequence import LiveTensorTracker
+
+    seeded("wrapped bf16 peak")
+    n, d, v, chunk = 512, 64, 8000, 128
+    head = nn.Linear(d, v, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(1, n, d, dtype=torch.bfloat16)
+    labels = torch.randint(0, v, (1, n))
+    labels[0, :40] = -100
+    results = {}
+    for path in ("function", "wrapped"):
+        if path == "wrapped":
+            swap = SwapInUnsharded(head)
+        x = hidden.clone().requires_grad_()
+        with LiveTensorTracker(keep_largest=0) as tracker:
+            loss = mini_sequence_causal_lm_loss(x, head, labels, chunk_size=chunk, vocab_size=v)
+            loss.backward()
+        results[path] = (loss.detach(), x.grad, tracker.peak_bytes)
+    (f_loss, f_grad, f_peak), (w_loss, w_grad, w_peak) = results["function"], results["wrapped"]
+    assert swap.unsharded.grad is not None
+    assert rel_err(w_loss, f_loss) < 1e-6 and rel_err(w_grad.float(), f_grad.float()) < 1e-2
+    assert w_peak <= 1.25 * f_peak, (w_peak, f_peak)

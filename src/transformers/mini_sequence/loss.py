@@ -97,11 +97,9 @@ def _check_vocab(logits, vocab_size):
 
 def _chunk_loss_sum(lm_head, hidden_chunk, labels_chunk, softcap, ignore_index, vocab_size):
     logits = _check_vocab(_apply_softcap(lm_head(hidden_chunk), softcap), vocab_size)
-    # fp32 upcast as upstream ForCausalLMLoss; only one chunk's [C, V] logits exist. Labels follow
-    # the logits (an lm_head on another device under device_map), as upstream.
-    return F.cross_entropy(
-        logits.float(), labels_chunk.to(logits.device), ignore_index=ignore_index, reduction="sum"
-    )
+    # fp32 as upstream ForCausalLMLoss; only one chunk's [C, V] logits exist. Labels follow the logits
+    # (an lm_head on another device under device_map), as upstream.
+    return _CrossEntropySum.apply(logits, labels_chunk.to(logits.device), ignore_index)
 
 
 # Logits elements upcast to fp32 at a time by `_cross_entropy_sum_and_grad` (8 MiB): a bf16 chunk
@@ -116,7 +114,7 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
     is written). The gradient is computed as upstream's backward does, in fp32 from the fp32
     log-probabilities: ``exp(log_probs) * scale``, minus ``scale`` at the target, zero on ignored
     tokens; then rounded once to the logits' dtype. A few rows at a time, so the fp32 buffers are
-    small."""
+    small. With ``grad_out=None`` only the sum is computed."""
     labels = labels.to(logits.device)
     # At most an eighth of the chunk: the fp32 buffers stay small next to its own logits.
     rows = max(1, min(_FP32_BLOCK_ELEMENTS // logits.shape[-1], -(-logits.shape[0] // 8)))
@@ -129,12 +127,38 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
         log_probs = F.log_softmax(logits[start:end], dim=-1, dtype=torch.float32)
         picked = log_probs.gather(1, safe_target).squeeze(1)
         total -= torch.where(valid, picked, 0.0).sum()
+        if grad_out is None:
+            continue
         scale = torch.where(valid, grad_scale, 0.0).unsqueeze(1)
         grad = log_probs.exp_().mul_(scale)
         grad.scatter_add_(1, safe_target, -scale)
         grad_out[start:end].copy_(grad)
         del log_probs, grad  # before the next block's are allocated
     return total
+
+
+class _CrossEntropySum(torch.autograd.Function):
+    """``F.cross_entropy(logits.float(), labels, reduction="sum")`` for one chunk's [C, V] logits, with the
+    fp32 work done a few rows at a time (`_cross_entropy_sum_and_grad`). Saves the logits (the head's output,
+    alive anyway while the chunk's graph is) and labels; backward computes the logits' gradient into one
+    buffer of the logits' dtype. Upstream's expression would keep an fp32 copy of the logits and their fp32
+    log-probabilities for backward, then build fp32 and half gradients: for a bf16 chunk 8x the logits'
+    bytes more. Used where autograd must see each chunk (the wrapper path's checkpointed chunks) and in
+    the no-grad loop."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index):
+        ctx.save_for_backward(logits, labels)
+        ctx.ignore_index = ignore_index
+        return _cross_entropy_sum_and_grad(logits, labels, ignore_index, None, None)
+
+    @staticmethod
+    def backward(ctx, grad_sum):
+        refuse_create_graph("mini-sequence LM-head loss")
+        logits, labels = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        _cross_entropy_sum_and_grad(logits, labels, ctx.ignore_index, grad_sum.float(), grad_logits)
+        return grad_logits, None, None
 
 
 # Slices in which `_add_linear_weight_grad` computes a chunk's weight gradient: only 1/8 of a
