@@ -438,7 +438,7 @@ class _PlainAutogradStreaming:
     draws in the same order), recorded by ordinary autograd instead of streamed backward."""
 
     @staticmethod
-    def apply(x, streamed, *params):
+    def apply(x, streamed, offload, *params):
         return streamed.forward_without_graph(x)
 
 
