@@ -343,3 +343,27 @@ def test_planner_parameters_take_the_function_path():
         zero3 = torch.nn.Parameter(torch.empty(3))
         zero3.ds_id = 0
         assert not wrappers._is_plain_parameter(zero3)
+
+
+def test_seq_len_evaluates_given_lengths_without_search(capsys, tiny_config):
+    """--seq-len: each method's peak and host memory at those lengths, and whether it fits; no search."""
+    args = ("--model", str(tiny_config), "--gpu-memory-gib", "0.3", "--optimizer", "none", "--optimizer-in-backward",
+            "--methods", "vanilla", "mini_sequence", "--seq-len", "1024", "4096")
+    code, out, err = run_main(capsys, *args, "--json")
+    assert code == 0, err[-2000:]
+    points = json.loads(out)["points"]
+    assert [(p["method"], p["seq_len"]) for p in points] == [
+        ("vanilla", 1024), ("vanilla", 4096), ("mini_sequence", 1024), ("mini_sequence", 4096)]
+    assert all(p["fits"] == (p["peak_gib"] <= 0.3) and p["host_gib"] == 0 for p in points)
+    assert points[1]["peak_gib"] > points[0]["peak_gib"] and points[3]["peak_gib"] < points[1]["peak_gib"]
+    assert {p["fits"] for p in points} == {True, False}  # the budget splits them: the check means something
+    code, out, err = run_main(capsys, *args)
+    assert code == 0 and "fits" in out and "vanilla" in out and "4096" in out, err[-2000:]
+
+
+def test_seq_len_rejects_bad_lengths(capsys, tiny_config):
+    code, _, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "80", "--seq-len", "0")
+    assert code == 2 and "--seq-len 0: allowed positive" in err
+    code, _, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "80", "--gpus", "2", "--sp", "2",
+                            "--seq-len", "1023")
+    assert code == 2 and "divisible by --sp 2" in err

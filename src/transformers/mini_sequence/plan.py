@@ -3,6 +3,8 @@
     python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 [--json]
     python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 \
         --gpus 8 --zero 3 --sp 8 --offload optimizer inputs   # per GPU of 8 (ZeRO-3, Ulysses)
+    python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 \
+        --methods mini_sequence+streaming --seq-len 1048576     # does this length fit? (no search)
 
 For each method (vanilla, checkpointing, mini_sequence, mini_sequence+checkpointing, streaming,
 mini_sequence+streaming) it runs one training step (forward + backward) of the full-size model under `FakeTensorMode` on the
@@ -568,8 +570,12 @@ def search_max_fitting(peak, budget, granularity, limit):
 
 
 def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024,
-         gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto"):
+         gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto", seq_lens=None):
+    """Search each method's longest fitting sequence, or with `seq_lens` evaluate those lengths only."""
     parallel = Parallel(gpus, zero, sp, tuple(offload))
+    for seq in seq_lens or ():
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0 or seq % sp:
+            raise PlanError(f"--seq-len {seq!r}: allowed positive whole-sequence token counts divisible by --sp {sp}")
     if methods is None:  # every method these settings can plan
         methods = [m for m in METHODS if _plannable(m, parallel)]
     methods = list(methods)
@@ -602,6 +608,15 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
     if not parallel.single:
         result.update(gpus=gpus, zero=zero, sp=sp, offload=list(parallel.offload),
                       host_state_gib=round(planner.host_state_bytes / GIB, 2), host_gib_at_max={})
+    if seq_lens:
+        result.update(points=[], max_seq_len=None, peak_gib_at_max=None)
+        for method in methods:
+            for seq in seq_lens:
+                peak = planner.peak_bytes(method, seq)
+                result["points"].append({"method": method, "seq_len": seq, "peak_gib": round(peak / GIB, 2),
+                                         "host_gib": round(planner.host_bytes(method, seq) / GIB, 2),
+                                         "fits": peak <= budget})
+        return _with_assumptions(result, parallel)
     for method in methods:
         seq = planner.max_seq_len(method, budget, granularity)
         result["max_seq_len"][method] = seq
@@ -613,6 +628,10 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
             f"{gpu_memory_gib} GiB holds the weights, gradients and optimizer states of {model} "
             f"({state / GIB:.1f} GiB) but no method fits even {granularity} tokens"
         )
+    return _with_assumptions(result, parallel)
+
+
+def _with_assumptions(result, parallel):
     result["assumptions"] = __doc__.split("Assumptions (printed with every result):\n")[1].strip()
     if not parallel.single:
         result["assumptions"] += "\n" + MULTI_GPU_ASSUMPTIONS.strip()
@@ -646,11 +665,13 @@ def main(argv=None):
                         help="plan only these methods (default: all; each long search costs minutes)")
     parser.add_argument("--streaming-chunk", default="auto", type=_streaming_chunk_arg,
                         help='streaming_backward_chunk of the streamed methods: "auto" (default) or query tokens per chunk')
+    parser.add_argument("--seq-len", nargs="+", type=int, default=None, metavar="TOKENS",
+                        help="evaluate these whole-sequence lengths (peak, host memory, fits?) instead of searching")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
         result = plan(args.model, args.gpu_memory_gib, args.optimizer, args.optimizer_in_backward, args.granularity,
-                      args.gpus, args.zero, args.sp, args.offload, args.methods, args.streaming_chunk)
+                      args.gpus, args.zero, args.sp, args.offload, args.methods, args.streaming_chunk, args.seq_len)
     except PlanError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if args.json:
@@ -667,6 +688,13 @@ def main(argv=None):
               f"of optimizer states before layer inputs; sequence lengths are the whole sequence "
               f"(each GPU of an sp group runs 1/{args.sp} of it)")
     print()
+    if args.seq_len:
+        print(f"{'method':<30}{'seq len':>12}{'peak/GPU (GiB)':>16}{'host/GPU (GiB)':>16}{'fits':>6}")
+        for point in result["points"]:
+            print(f"{point['method']:<30}{point['seq_len']:>12}{point['peak_gib']:>16}{point['host_gib']:>16}"
+                  f"{'yes' if point['fits'] else 'no':>6}")
+        print("\nAssumptions:\n" + result["assumptions"])
+        return
     host_header = f"{'host/GPU (GiB)':>16}" if multi else ""
     print(f"{'method':<30}{'max seq len':>12}{'peak/GPU (GiB)' if multi else 'peak (GiB)':>{16 if multi else 12}}{host_header}")
     for method, seq in result["max_seq_len"].items():
