@@ -343,7 +343,8 @@ def sweep_streaming(args, device):
         trainees = {name: trainee("gemma2", m, seq, device, torch.float32) for name, m in settings.items()}
         run("gemma2", "gemma2", torch.float32, seq, trainees, 0, "flag off")
         del trainees
-    for seq, dtype in itertools.product(args.activation_seq if "activation" in args.parts else [], args.activation_dtypes):
+    activation_runs = itertools.product(args.activation_seq, args.activation_dtypes) if "activation" in args.parts else ()
+    for seq, dtype in activation_runs:
         results = {}
         for name in ("mini_sequence+checkpointing", "mini_sequence+streaming"):
             t = trainee("llama", METHODS[name], seq, device, dtype)

@@ -689,23 +689,30 @@ def main(argv=None):
               f"(each GPU of an sp group runs 1/{args.sp} of it)")
     print()
     if args.seq_len:
-        print(f"{'method':<30}{'seq len':>12}{'peak/GPU (GiB)':>16}{'host/GPU (GiB)':>16}{'fits':>6}")
-        for point in result["points"]:
-            print(f"{point['method']:<30}{point['seq_len']:>12}{point['peak_gib']:>16}{point['host_gib']:>16}"
-                  f"{'yes' if point['fits'] else 'no':>6}")
-        print("\nAssumptions:\n" + result["assumptions"])
-        return
+        _print_points(result["points"])
+    else:
+        _print_maxima(result, args.granularity, multi)
+    print("\nAssumptions:\n" + result["assumptions"])
+
+
+def _print_points(points):
+    print(f"{'method':<30}{'seq len':>12}{'peak/GPU (GiB)':>16}{'host/GPU (GiB)':>16}{'fits':>6}")
+    for point in points:
+        print(f"{point['method']:<30}{point['seq_len']:>12}{point['peak_gib']:>16}{point['host_gib']:>16}"
+              f"{'yes' if point['fits'] else 'no':>6}")
+
+
+def _print_maxima(result, granularity, multi):
     host_header = f"{'host/GPU (GiB)':>16}" if multi else ""
     print(f"{'method':<30}{'max seq len':>12}{'peak/GPU (GiB)' if multi else 'peak (GiB)':>{16 if multi else 12}}{host_header}")
     for method, seq in result["max_seq_len"].items():
         peak = result["peak_gib_at_max"][method]
-        shown = seq if seq else f"< {args.granularity}"  # 0: not even one granule fits
+        shown = seq if seq else f"< {granularity}"  # 0: not even one granule fits
         line = f"{method:<30}{shown:>12}{peak if peak is not None else '-':>{16 if multi else 12}}"
         if multi:
             host = result["host_gib_at_max"][method]
             line += f"{host if host is not None else '-':>16}"
         print(line)
-    print("\nAssumptions:\n" + result["assumptions"])
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ costs more forward work: each chunk runs 3n - 1 times for n chunks (forward, the
 which torch stops early before the last chunk, and the chunk's own recompute) against 2n.
 """
 
+import contextlib
 import inspect
 import sys
 import weakref
@@ -150,18 +151,14 @@ class HostStorage:
 HOST_STORAGE = [HostStorage()]  # the one in use: the last
 
 
-class use_host_storage:
-    """Context manager: offloaded streamed layers use `storage` (an object with `save` and `load`) inside."""
-
-    def __init__(self, storage):
-        self.storage = storage
-
-    def __enter__(self):
-        HOST_STORAGE.append(self.storage)
-        return self.storage
-
-    def __exit__(self, *exc):
-        HOST_STORAGE.remove(self.storage)
+@contextlib.contextmanager
+def use_host_storage(storage):
+    """Offloaded streamed layers use `storage` (an object with `save` and `load`) inside."""
+    HOST_STORAGE.append(storage)
+    try:
+        yield storage
+    finally:
+        HOST_STORAGE.remove(storage)
 
 
 class _SavedInput:
