@@ -90,18 +90,26 @@ def test_exact_against_unsplit(family, implementation, chunk):
                       model_kwargs={"attn_implementation": implementation})
 
 
+def plain_causal_inputs(seed):
+    """Batch 2, no padding: the model passes no attention mask (plainly causal)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, COMMON["vocab_size"], (2, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, torch.randperm(SEQ, generator=gen)[: SEQ // 4]] = -100
+    return ids, None, labels
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("chunk", [1, 7, SEQ + 5, "auto"], ids=str)
 def test_exact_plain_causal_sdpa_with_lower_right_bias(family, chunk, monkeypatch):
     """No attention mask (batch 2, no padding, no window): the model passes none, and each chunk goes to torch's
-    SDPA with a lower-right causal bias and GQA (4 query heads, 2 KV heads), not HF's masked, K/V-repeating path."""
+    SDPA with a lower-right causal bias and GQA (4 query heads, 2 KV heads), not HF's masked, K/V-repeating path.
+    (The path off CPU: on CPU the slabbed kernels take these chunks, so they are switched off here.)"""
+    monkeypatch.setattr(streaming, "SLABBED_DEVICES", ())
     calls = []
     monkeypatch.setattr(streaming, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
-    gen = torch.Generator().manual_seed(seed_of(family, "plain", chunk))
-    ids = torch.randint(1, COMMON["vocab_size"], (2, SEQ), generator=gen)
-    labels = ids.clone()
-    labels[0, torch.randperm(SEQ, generator=gen)[: SEQ // 4]] = -100
-    compare_streaming(family, chunk, 0, inputs=(ids, None, labels), model_kwargs={"attn_implementation": "sdpa"})
+    compare_streaming(family, chunk, 0, inputs=plain_causal_inputs(seed_of(family, "plain", chunk)),
+                      model_kwargs={"attn_implementation": "sdpa"})
     step = streaming.streaming_chunk_size(chunk, COMMON["hidden_size"])
     starts = range(0, SEQ, step)
     # Every chunk, forward and backward, in both layers: (queries, keys) = (chunk length, its causal prefix).
@@ -109,10 +117,83 @@ def test_exact_plain_causal_sdpa_with_lower_right_bias(family, chunk, monkeypatc
     assert sorted(set(calls)) == sorted(set(expected)) and len(calls) == 2 * 2 * len(expected), calls
 
 
-def test_lower_right_bias_under_dispatch_modes():
+def record_slab_calls(monkeypatch):
+    """Patch the CPU flash kernels `_SlabbedAttention` calls to record (kind, query rows, key rows, causal, mask
+    shape or None) per call."""
+    calls = []
+
+    def recorded(kind, kernel):
+        def call(*args, is_causal=False, attn_mask=None, **kwargs):
+            if kind == "backward":
+                query, key, causal = args[1], args[2], args[7]
+            else:
+                query, key, causal = args[0], args[1], is_causal
+            mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
+            calls.append((kind, query.shape[-2], key.shape[-2], causal, mask_shape))
+            if kind == "backward":
+                return kernel(*args, attn_mask=attn_mask, **kwargs)
+            return kernel(*args, is_causal=is_causal, attn_mask=attn_mask, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(streaming, "_CPU_FLASH", recorded("forward", streaming._CPU_FLASH))
+    monkeypatch.setattr(streaming, "_CPU_FLASH_BACKWARD", recorded("backward", streaming._CPU_FLASH_BACKWARD))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("chunk", [1, 7, SEQ + 5, "auto"], ids=str)
+def test_exact_slabbed_plain_causal(family, chunk, monkeypatch):
+    """On CPU a plainly causal chunk runs slab by slab (3 keys per slab here, so rows merge across several
+    slabs): the keys before the chunk unmasked, its own keys as one causal square, no mask tensor at all;
+    the backward runs the same slabs, adding dK/dV into the layer's accumulators itself."""
+    monkeypatch.setattr(streaming, "SLAB_KEYS", 3)
+    calls = record_slab_calls(monkeypatch)
+    compare_streaming(family, chunk, 0, inputs=plain_causal_inputs(seed_of(family, "slabs", chunk)),
+                      model_kwargs={"attn_implementation": "sdpa"})
+    step = streaming.streaming_chunk_size(chunk, COMMON["hidden_size"])
+    expected = []
+    for start in range(0, SEQ, step):
+        end = min(start + step, SEQ)
+        expected += [(end - start, min(first + 3, start) - first, False, None) for first in range(0, start, 3)]
+        expected.append((end - start, end - start, True, None))
+    # Two layers; per layer the forward's chunks, the backward's recomputed chunks, their backward.
+    assert sorted(c[1:] for c in calls if c[0] == "forward") == sorted(expected * 4)
+    assert sorted(c[1:] for c in calls if c[0] == "backward") == sorted(expected * 2)
+
+
+@pytest.mark.parametrize(("family", "implementation"), [(f, i) for f, i in IMPLEMENTATIONS if f != "gemma2"])
+@pytest.mark.parametrize("slab_keys", [3, 16])
+def test_exact_slabbed_with_masks(family, implementation, slab_keys, monkeypatch):
+    """Masked chunks on CPU (left padding, ignored labels, batch 3), with slabs shorter than the chunk: each
+    slab gets its part of the model's mask (bool for SDPA, additive for eager); chunks holding a left-padding
+    row that sees no key take the model's own attention function. Gemma-2 (soft-capping) never uses slabs."""
+    monkeypatch.setattr(streaming, "SLAB_KEYS", slab_keys)
+    calls = record_slab_calls(monkeypatch)
+    compare_streaming(family, 9, seed_of(family, implementation, "slabs", slab_keys),
+                      model_kwargs={"attn_implementation": implementation})
+    assert calls and all(mask is not None and keys <= slab_keys for _, _, keys, _, mask in calls), calls[:5]
+    assert {kind for kind, *_ in calls} == {"forward", "backward"}
+
+
+def test_slabs_not_used_with_softcap_or_dropout(monkeypatch):
+    calls = record_slab_calls(monkeypatch)
+    for family, kwargs in (("gemma2", {}), ("llama", {"attention_dropout": 0.1})):
+        model = make_model(family, streaming_backward_chunk=7, attn_implementation="eager", **kwargs).train()
+        ids = torch.randint(1, COMMON["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == []
+
+
+@pytest.mark.parametrize("slabbed", [False, True], ids=["lower-right", "slabbed"])
+def test_plain_causal_chunks_under_dispatch_modes(slabbed, monkeypatch):
     """torch cannot create its CausalBias subclass under a TorchDispatchMode: the streamed chunk must still run
-    under one (our memory tracker, as the bench uses it; FakeTensorMode)."""
+    under one (our memory tracker, as the bench uses it; FakeTensorMode); so must the slabbed CPU kernels."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not slabbed:
+        monkeypatch.setattr(streaming, "SLABBED_DEVICES", ())
+    calls = record_slab_calls(monkeypatch)
 
     ids = torch.randint(1, COMMON["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(3))
     model = make_model("llama", streaming_backward_chunk=7, attn_implementation="sdpa").train()
@@ -122,6 +203,7 @@ def test_lower_right_bias_under_dispatch_modes():
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake_ids = torch.zeros(1, SEQ, dtype=torch.long)
         model(input_ids=fake_ids, labels=fake_ids).loss.backward()
+    assert bool(calls) == slabbed
 
 
 @pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)

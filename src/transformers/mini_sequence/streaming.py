@@ -11,8 +11,12 @@ runs one query chunk at a time:
 3. dK, dV are backpropagated through the K/V projections, RoPE and the input norm, chunk by chunk.
 
 Alive at once: the input, K, V, dK, dV and one chunk's working set (no [B, heads, S, S] scores, no
-full-sequence Q or attention output). The forward runs the same chunks without graph, so forward and
-backward see the same arithmetic. Gradients equal the unsplit layer's to fp32 rounding: attention of
+full-sequence Q or attention output). On CPU a chunk's attention runs key slab by key slab through torch's
+flash-attention kernels, which return each row's logsumexp: its backward adds each slab's dK/dV into the
+accumulators, where SDPA's backward would return dK/dV for the whole key prefix (two more K/V-sized tensors
+at the last chunk); plainly causal chunks need no mask tensor either (`_SlabbedAttention`). Other devices
+take SDPA or the model's attention function per chunk (the same kernels exist on CUDA, untested here).
+The forward runs the same chunks without graph, so forward and backward see the same arithmetic. Gradients equal the unsplit layer's to fp32 rounding: attention of
 a query row only reads the keys its mask allows, and the chunk's mask is the exact slice of the full
 mask (or, when the model passed none because the attention is plainly causal, torch's lower-right
 causal bias for SDPA, or the causal/sliding mask built by `masking_utils.sdpa_mask` with the chunk's
@@ -73,6 +77,10 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 # bottom-right (FlashAttention's convention), so a chunk needs no mask tensor. Only the planner registers one
 # (plan.py: its FlashAttention-like memory stand-in, whose step must not allocate a [chunk, keys] mask).
 BOTTOM_RIGHT_CAUSAL_ATTENTION = set()
+# Keys per slab of a query chunk's attention on CPU (`_SlabbedAttention`): one slab's dK/dV is what its backward
+# holds beyond the accumulators, so any size far below the sequence will do; large enough to keep calls few.
+SLAB_KEYS = 2048
+SLABBED_DEVICES = ("cpu",)  # where those kernels are wired (see _CPU_FLASH)
 
 def _layout(layer):
     for cls in type(layer).__mro__:  # FSDP2 subclasses the layer class
@@ -235,6 +243,16 @@ class _StreamedLayer:
             and (self.window is None or self.window >= seq_len)  # a window longer than the sequence cuts nothing
             and "softcap" not in self.attention_kwargs
         )
+        self.scale = attn.scaling
+        # On CPU, chunks run as `_SlabbedAttention` when its kernels compute what the model's function would: no
+        # soft-capping, no dropout (its draws could not be replayed slab by slab), a mask or plain causality.
+        self.slabbed = (
+            hidden_states.device.type in SLABBED_DEVICES
+            and implementation in SUPPORTED_ATTENTION
+            and self.attention_kwargs["dropout"] == 0.0
+            and "softcap" not in self.attention_kwargs
+            and (attention_mask is not None or self.plain_causal_sdpa)
+        )
 
     def _window_start(self, start: int) -> int:
         """First key a query chunk starting at `start` can see: 0, or the sliding window's first key."""
@@ -258,9 +276,10 @@ class _StreamedLayer:
         key = (self.window, tuple(self.chunks))
         cached = _RANGES_CACHE.get(id(self.mask))
         if cached is not None and cached[0]() is self.mask and cached[1] == (self.mask._version, key):
-            self.key_ranges = cached[2]  # the layers share one mask per forward: checked once, not per layer
+            # the layers share one mask per forward: checked once, not per layer
+            self.key_ranges, self.blind_chunks = cached[2]
             return
-        self.key_ranges = []
+        self.key_ranges, self.blind_chunks = [], set()
         for start, end in self.chunks:
             kv_start = self._window_start(start)
             if self.mask is None:
@@ -275,11 +294,39 @@ class _StreamedLayer:
                 )
             if _has_blind_row(rows[..., kv_start:end]):
                 kv_start, end = 0, self.seq_len
+                self.blind_chunks.add(len(self.key_ranges))
             self.key_ranges.append((kv_start, end))
         if self.mask is not None:
             for stale in [k for k, (ref, *_) in _RANGES_CACHE.items() if ref() is None]:
                 del _RANGES_CACHE[stale]
-            _RANGES_CACHE[id(self.mask)] = (weakref.ref(self.mask), (self.mask._version, key), self.key_ranges)
+            _RANGES_CACHE[id(self.mask)] = (
+                weakref.ref(self.mask), (self.mask._version, key), (self.key_ranges, self.blind_chunks)
+            )
+
+    def slabs(self, index: int):
+        """Chunk `index`'s key range in slabs for `_SlabbedAttention`: (first, end, causal) relative to the range's
+        first key. With no mask (plainly causal) the chunk's own keys are one causal square, where the kernel's
+        top-left causal alignment is the right one, and the keys before it need no mask; with a mask, each slab
+        gets its part of the mask (`slab_mask`)."""
+        start, end = self.chunks[index]
+        kv_start, kv_end = self.key_ranges[index]
+        unmasked_end = start - kv_start if self.mask is None else kv_end - kv_start
+        slabs = [(first, min(first + SLAB_KEYS, unmasked_end), False) for first in range(0, unmasked_end, SLAB_KEYS)]
+        if self.mask is None:
+            slabs.append((unmasked_end, kv_end - kv_start, True))
+        return slabs
+
+    def slab_mask(self, index: int, first: int, end_key: int, dtype: torch.dtype):
+        """The model's mask for chunk `index` and keys [first, end_key) of its range, additive in `dtype` as the
+        CPU kernels take it (a query row may see no key of one slab: the merge by logsumexp gives it no weight)."""
+        if self.mask is None:
+            return None
+        start, end = self.chunks[index]
+        kv_start = self.key_ranges[index][0]
+        part = self.mask[:, :, start:end, kv_start + first : kv_start + end_key]
+        if part.dtype != torch.bool:
+            return part.to(dtype)
+        return torch.zeros(part.shape, dtype=dtype, device=part.device).masked_fill_(~part, torch.finfo(dtype).min)
 
     def chunk_mask(self, start: int, end: int, kv_start: int, kv_end: int) -> torch.Tensor | None:
         if self.mask is not None:
@@ -324,16 +371,21 @@ class _StreamedLayer:
             values[:, :, start:end].copy_(v)
         return keys, values
 
-    def chunk_attention(self, queries, keys, values, index: int):
+    def chunk_attention(self, queries, keys, values, index: int, sink=None):
         """Attention of query chunk `index` against its key range; [B, T, heads, head_dim] as HF's functions give.
 
-        A plainly causal SDPA chunk (the model passed no mask: no padding or packing, no window shorter than the
+        On CPU, with no soft-capping or dropout, the forward (no graph) and the backward's recomputation (which
+        passes `sink`) run `_SlabbedAttention`, except in a chunk holding a query that sees no key (left padding:
+        upstream's function decides what such a row gets). Under checkpointing (the wrapper path, no `sink`)
+        autograd must get dK/dV back, so the model's function runs. Otherwise, a plainly causal SDPA chunk (the model passed no mask: no padding or packing, no window shorter than the
         sequence) goes to torch's SDPA with a lower-right causal bias: on CUDA that runs FlashAttention's causal
         kernel for an offset chunk with no mask tensor and no K/V repeated to every query head (`enable_gqa`),
         where HF's function, given the chunk's mask, would build a [chunk, keys] mask and expand K/V; on CPU
         torch materializes the same boolean mask `chunk_mask` builds. Everything else goes through the model's
         attention function."""
         start, end = self.chunks[index]
+        if self.slabbed and index not in self.blind_chunks and (sink is not None or not torch.is_grad_enabled()):
+            return _SlabbedAttention.apply(queries, keys, values, self, index, sink).transpose(1, 2)
         if self.plain_causal_sdpa:
             out = torch.nn.functional.scaled_dot_product_attention(
                 queries,
@@ -348,15 +400,17 @@ class _StreamedLayer:
         mask = self.chunk_mask(start, end, *self.key_ranges[index])
         return self.attention(self.attn, queries, keys, values, mask, **self.attention_kwargs)[0]
 
-    def chunk_output(self, x_chunk, keys, values, index: int):
-        """The layer's output rows of chunk `index`, given K/V rows `self.key_ranges[index]`."""
+    def chunk_output(self, x_chunk, keys, values, index: int, sink=None):
+        """The layer's output rows of chunk `index`, given K/V rows `self.key_ranges[index]`. With `sink` (dK and
+        dV accumulators of the whole sequence), attention may add its K/V gradients there itself (then its
+        graph returns none for `keys` and `values`)."""
         start, end = self.chunks[index]
         layer, attn = self.layer, self.attn
         normed = layer.input_layernorm(x_chunk)
         shape = (*x_chunk.shape[:-1], -1, attn.head_dim)
         queries = attn.q_proj(normed).view(shape).transpose(1, 2)
         queries = _rope(queries, self.cos[:, start:end], self.sin[:, start:end], self.rotate_half)
-        attn_out = self.chunk_attention(queries, keys, values, index)
+        attn_out = self.chunk_attention(queries, keys, values, index, sink)
         attn_out = attn.o_proj(attn_out.reshape(*x_chunk.shape[:-1], -1).contiguous())
         if self.layout == _GEMMA2:
             hidden = x_chunk + layer.post_attention_layernorm(attn_out)
@@ -375,6 +429,61 @@ class _StreamedLayer:
             out[:, start:end].copy_(chunk_out)
             del chunk_out
         return out
+
+
+# torch's CPU flash-attention kernels return each query row's logsumexp and take it back in backward: the
+# backward of a query chunk can then run key slab by key slab against the whole row's output and logsumexp
+# (FlashAttention's backward needs nothing else), adding each slab's dK/dV straight into the layer's
+# accumulators. SDPA's own backward returns dK/dV for the chunk's whole key prefix: two K/V-sized tensors at
+# the last chunk. (CUDA has the same pair of kernels with other signatures; not wired: never run on a GPU here.)
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _SlabbedAttention(torch.autograd.Function):
+    """Attention of query chunk `index` against its key range `keys`/`values` (rows `kv_start:kv_end`), slab by
+    slab (`_StreamedLayer.slabs`: key ranges relative to `kv_start`, each with its mask made when it is used),
+    merged by logsumexp. Backward returns dQ and adds dK/dV into `sink` (the layer's two accumulators) instead of
+    returning them: keys and values are inputs only so that the graph reaches them."""
+
+    @staticmethod
+    def forward(ctx, queries, keys, values, streamed, index, sink):
+        out = lse = None
+        for key_start, key_end, causal in streamed.slabs(index):
+            part, part_lse = _CPU_FLASH(
+                queries, keys[:, :, key_start:key_end], values[:, :, key_start:key_end],
+                is_causal=causal, attn_mask=streamed.slab_mask(index, key_start, key_end, queries.dtype),
+                scale=streamed.scale,
+            )
+            if out is None:
+                out, lse = part.float(), part_lse
+                continue
+            merged = torch.logaddexp(lse, part_lse)
+            out = out * (lse - merged).exp_().unsqueeze(-1) + part.float() * (part_lse - merged).exp_().unsqueeze(-1)
+            lse = merged
+        out = out.to(queries.dtype)
+        ctx.save_for_backward(queries, out, lse)
+        ctx.keys, ctx.values, ctx.streamed, ctx.index, ctx.sink = keys, values, streamed, index, sink
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        queries, out, lse = ctx.saved_tensors
+        keys, values, streamed, index = ctx.keys, ctx.values, ctx.streamed, ctx.index
+        grad_keys, grad_values = ctx.sink
+        offset = streamed.key_ranges[index][0]
+        grad_out = grad_out.contiguous()
+        grad_queries = None
+        for key_start, key_end, causal in streamed.slabs(index):
+            part_q, part_k, part_v = _CPU_FLASH_BACKWARD(
+                grad_out, queries, keys[:, :, key_start:key_end], values[:, :, key_start:key_end], out, lse, 0.0,
+                causal, attn_mask=streamed.slab_mask(index, key_start, key_end, queries.dtype), scale=streamed.scale,
+            )
+            _sum_into(grad_keys, part_k, offset + key_start, offset + key_end, dim=2)
+            _sum_into(grad_values, part_v, offset + key_start, offset + key_end, dim=2)
+            grad_queries = part_q.float() if grad_queries is None else grad_queries.add_(part_q)
+            del part_q, part_k, part_v
+        return grad_queries.to(queries.dtype), None, None, None, None, None
 
 
 def _sum_into(total, part, start, end, dim):
@@ -424,14 +533,15 @@ class _StreamedLayerFunction(torch.autograd.Function):
                         x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
                         k_chunk = keys[:, :, kv_start:kv_end].detach().requires_grad_()
                         v_chunk = values[:, :, kv_start:kv_end].detach().requires_grad_()
-                        out = streamed.chunk_output(x_chunk, k_chunk, v_chunk, index)
+                        out = streamed.chunk_output(x_chunk, k_chunk, v_chunk, index, (grad_keys, grad_values))
                         if index == 0:
                             check_graph_inputs(out, [x_chunk, k_chunk, v_chunk, *params], "streaming backward")
                         inputs = [k_chunk, v_chunk] + ([x_chunk] if needs_x else []) + wanted
                         grads = torch.autograd.grad(out, inputs, grad_out[:, start:end], allow_unused=True)
                         del out  # this chunk's graph goes before the next one is built
-                        _sum_into(grad_keys, grads[0], kv_start, kv_end, dim=2)
-                        _sum_into(grad_values, grads[1], kv_start, kv_end, dim=2)
+                        if grads[0] is not None:  # else the attention added them itself (_SlabbedAttention)
+                            _sum_into(grad_keys, grads[0], kv_start, kv_end, dim=2)
+                            _sum_into(grad_values, grads[1], kv_start, kv_end, dim=2)
                         if needs_x:
                             _sum_into(grad_x, grads[2], start, end, dim=1)
                         accumulate_grads(acc, grads[3 if needs_x else 2 :])
