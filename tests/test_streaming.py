@@ -207,6 +207,48 @@ def test_plain_causal_chunks_under_dispatch_modes(slabbed, monkeypatch):
 
 
 @pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
+@pytest.mark.parametrize("block_rows", [1, 10], ids=lambda rows: f"block_rows{rows}")
+def test_exact_with_row_blocks(family, implementation, block_rows, monkeypatch):
+    """Row blocks of one chunk, or of two (chunk 5): the backward runs the chunk holding left-padding rows first,
+    then the others from the last, and backpropagates each block's dK/dV as soon as it is final (the first
+    block, whose chunk is blind, at the end). Batch 3 with left padding and ignored labels."""
+    monkeypatch.setattr(streaming, "BLOCK_ROWS", block_rows)
+    compare_streaming(family, 5, seed_of(family, implementation, "blocks", block_rows),
+                      model_kwargs={"attn_implementation": implementation})
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_exact_with_row_blocks_and_sliding_window(family, monkeypatch):
+    monkeypatch.setattr(streaming, "BLOCK_ROWS", 1)
+    compare_streaming(family, 4, seed_of(family, "blocks-window"),
+                      model_kwargs={"attn_implementation": "eager", **WINDOWED[family](6)})
+
+
+def test_input_gradient_grows_as_key_value_gradients_are_freed(monkeypatch):
+    """The layer's backward never holds the whole input gradient next to the whole dK/dV: with row blocks of one
+    chunk the backward's peak is at least 0.75 of a [B, S, d] tensor below the one-block run (whole dK/dV until the
+    end, input gradient whole from the first chunk), and the gradients are the same. MHA, so K and V are [B, S, d];
+    the LM head by mini-sequences, so that the layers' backward, not the logits, makes the peak."""
+    seq = 512
+    ids = torch.randint(1, COMMON["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(streaming, "SLAB_KEYS", 32)  # (one slab's dK/dV small against the sequence's, as at 32K)
+    peaks, grads = {}, {}
+    for block_rows in (seq, 32):
+        monkeypatch.setattr(streaming, "BLOCK_ROWS", block_rows)
+        model = make_model("llama", streaming_backward_chunk=32, mini_sequence_chunk=32, num_key_value_heads=4,
+                           attn_implementation="sdpa")
+        loss = model.train()(input_ids=ids, labels=ids).loss
+        with LiveTensorTracker() as tracker:
+            loss.backward()
+        peaks[block_rows] = tracker.peak_bytes
+        grads[block_rows] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads[seq].items():
+        assert_close(grads[32][name], grad, what=name)
+    row_bytes = 2 * seq * COMMON["hidden_size"] * 4
+    assert peaks[seq] - peaks[32] >= 0.75 * row_bytes, (peaks, row_bytes)
+
+
+@pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
 def test_exact_with_mini_sequence_and_right_padding(family, implementation):
     ids, mask, labels = batch(seed_of(family, "right"))
     mask = torch.ones_like(mask)
@@ -295,9 +337,11 @@ def test_offloaded_input_read_back_by_chunks(family):
         compare_streaming(family, 7, seed_of(family, "offload"), prepare=prepare, model_kwargs={"mini_sequence_chunk": 6})
     ids = batch(seed_of(family, "offload"))[0]
     assert storage.saved == [tuple(ids.shape) + (COMMON["hidden_size"],)] * COMMON["num_hidden_layers"]
-    # Per layer: K/V pass, query chunks, K/V backward: three sweeps over the chunks, never more than one chunk.
+    # Per layer: K/V pass (in order), query chunks and K/V backward (in the backward's order): each chunk read
+    # three times, never more than one chunk at once.
     chunks = [(start, min(start + 7, ids.shape[1])) for start in range(0, ids.shape[1], 7)]
-    assert storage.loads == chunks * 3 * COMMON["num_hidden_layers"]
+    assert sorted(storage.loads) == sorted(chunks * 3 * COMMON["num_hidden_layers"])
+    assert storage.loads[: len(chunks)] == chunks
 
 
 def test_offload_follows_the_checkpointed_layers():
@@ -335,10 +379,13 @@ def test_wrapper_path_with_offload_exact(family, monkeypatch):
     assert [e["pin_memory"] for e in entered] == [False] * COMMON["num_hidden_layers"]  # CPU tensors: not pinned
 
 
-def test_attention_dropout_replayed(monkeypatch):
+@pytest.mark.parametrize("block_rows", [1, streaming.BLOCK_ROWS], ids=lambda rows: f"block_rows{rows}")
+def test_attention_dropout_replayed(block_rows, monkeypatch):
     """With attention dropout the streamed backward must replay the forward's draws: the Function path
-    gives the same loss and gradients as plain autograd through the same chunks (the wrapper path,
-    where torch's checkpoint replays the RNG), and differs from the dropout-free run."""
+    (which recomputes the chunks in another order, each from its own recorded RNG state) gives the same loss and
+    gradients as plain autograd through the same chunks (the wrapper path, where torch's checkpoint replays the
+    RNG), and differs from the dropout-free run."""
+    monkeypatch.setattr(streaming, "BLOCK_ROWS", block_rows)
     inputs = batch(31)
     runs = {}
     for name in ("function", "autograd", "no-dropout"):

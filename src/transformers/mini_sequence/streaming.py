@@ -40,6 +40,7 @@ costs more forward work: each chunk runs 3n - 1 times for n chunks (forward, the
 which torch stops early before the last chunk, and the chunk's own recompute) against 2n.
 """
 
+import bisect
 import contextlib
 import inspect
 import sys
@@ -79,8 +80,14 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 BOTTOM_RIGHT_CAUSAL_ATTENTION = set()
 # Keys per slab of a query chunk's attention on CPU (`_SlabbedAttention`): one slab's dK/dV is what its backward
 # holds beyond the accumulators, so any size far below the sequence will do; large enough to keep calls few.
-SLAB_KEYS = 2048
+# Measured (fp32, d=256, S=8192, 2 threads, median of 3 steps): 1024 keys 6.77 s, 2048 6.64 s, 4096 7.43 s; at
+# S=32K 1024 keeps 2 MiB less than 2048. 1024 = BLOCK_ROWS: a slab's dK/dV adds into at most two row blocks.
+SLAB_KEYS = 1024
 SLABBED_DEVICES = ("cpu",)  # where those kernels are wired (see _CPU_FLASH)
+# Rows per block of the backward's row-wise gradients (`_RowBlocks`: dK, dV and the input gradient): chunks are
+# grouped into blocks of at least this many rows. A block's dK/dV are freed once final; smaller blocks free
+# memory sooner, larger ones keep the adds into them few.
+BLOCK_ROWS = 1024
 
 def _layout(layer):
     for cls in type(layer).__mro__:  # FSDP2 subclasses the layer class
@@ -228,6 +235,15 @@ class _StreamedLayer:
         self.batch, self.seq_len = batch, seq_len
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD_NAME), config.hidden_size)
         self.chunks = [(start, min(start + chunk, seq_len)) for start in range(0, seq_len, chunk)]
+        # Consecutive chunks grouped into row blocks of at least BLOCK_ROWS rows: (first chunk, end chunk).
+        self.blocks = []
+        for index, (start, end) in enumerate(self.chunks):
+            if not self.blocks or self.chunks[self.blocks[-1][0]][0] + BLOCK_ROWS <= start:
+                self.blocks.append([index, index + 1])
+            self.blocks[-1][1] = index + 1
+        # RNG state before each chunk's K/V and before its output in the forward (`record_rng`), so that the
+        # backward can replay any chunk's dropout draws in its own order.
+        self.kv_rng = self.chunk_rng = None
         # What upstream's attention module passes to the attention function besides q, k, v and the mask.
         self.attention_kwargs = dict(kwargs)
         self.attention_kwargs.update(
@@ -357,12 +373,16 @@ class _StreamedLayer:
         keys = _rope(keys, self.cos[:, start:end], self.sin[:, start:end], self.rotate_half)
         return keys, values
 
-    def all_keys_values(self, rows):
+    def all_keys_values(self, rows, record_rng=False):
         """K and V of the whole sequence, computed chunk by chunk (the same arithmetic and dropout draws as
         the backward's per-chunk recomputation), written into two preallocated tensors. `rows(start, end)`
         gives the layer input's rows."""
         keys = values = None
+        if record_rng:
+            self.kv_rng = []
         for start, end in self.chunks:
+            if record_rng:
+                self.kv_rng.append(capture_rng_state(self.cos.device))
             k, v = self.keys_values(rows(start, end), start, end)
             if keys is None:
                 keys = k.new_empty(k.shape[:2] + (self.seq_len,) + k.shape[3:])
@@ -418,10 +438,14 @@ class _StreamedLayer:
         hidden = x_chunk + attn_out
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    def forward_without_graph(self, x):
-        keys, values = self.all_keys_values(lambda start, end: x[:, start:end])
+    def forward_without_graph(self, x, record_rng=False):
+        keys, values = self.all_keys_values(lambda start, end: x[:, start:end], record_rng)
         out = None
+        if record_rng:
+            self.chunk_rng = []
         for index, (start, end) in enumerate(self.chunks):
+            if record_rng:
+                self.chunk_rng.append(capture_rng_state(x.device))
             kv_start, kv_end = self.key_ranges[index]
             chunk_out = self.chunk_output(x[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index)
             if out is None:
@@ -479,15 +503,60 @@ class _SlabbedAttention(torch.autograd.Function):
                 grad_out, queries, keys[:, :, key_start:key_end], values[:, :, key_start:key_end], out, lse, 0.0,
                 causal, attn_mask=streamed.slab_mask(index, key_start, key_end, queries.dtype), scale=streamed.scale,
             )
-            _sum_into(grad_keys, part_k, offset + key_start, offset + key_end, dim=2)
-            _sum_into(grad_values, part_v, offset + key_start, offset + key_end, dim=2)
+            grad_keys.add(part_k, offset + key_start, offset + key_end)
+            grad_values.add(part_v, offset + key_start, offset + key_end)
             grad_queries = part_q.float() if grad_queries is None else grad_queries.add_(part_q)
             del part_q, part_k, part_v
         return grad_queries.to(queries.dtype), None, None, None, None, None
 
 
-def _sum_into(total, part, start, end, dim):
-    total.narrow(dim, start, end - start).add_(part)
+class _RowBlocks:
+    """A gradient over the sequence's rows (dK, dV: dim 2; the layer input's: dim 1) kept as one zero-initialised
+    tensor per row block of the layer (`_StreamedLayer.blocks`), made when first written and handed over once
+    final (`pop`): rows that are final need not stay alive next to rows still being summed."""
+
+    def __init__(self, streamed, like: torch.Tensor, dim: int, dtype: torch.dtype):
+        self.bounds = [(streamed.chunks[first][0], streamed.chunks[end - 1][1]) for first, end in streamed.blocks]
+        self.starts = [start for start, _ in self.bounds]
+        self.shape, self.device, self.dim, self.dtype = list(like.shape), like.device, dim, dtype
+        self.parts = {}
+
+    def add(self, part: torch.Tensor, start: int, end: int) -> None:
+        """Add `part` (rows [start, end) along `dim`) into the blocks it spans."""
+        block = bisect.bisect_right(self.starts, start) - 1
+        row = start
+        while row < end:
+            block_start, block_end = self.bounds[block]
+            stop = min(end, block_end)
+            total = self.parts.get(block)
+            if total is None:
+                self.shape[self.dim] = block_end - block_start
+                total = self.parts[block] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            total.narrow(self.dim, row - block_start, stop - row).add_(part.narrow(self.dim, row - start, stop - row))
+            row, block = stop, block + 1
+
+    def pop(self, block: int) -> torch.Tensor | None:
+        """Block `block`'s sum (None if nothing was added to it), no longer held here."""
+        return self.parts.pop(block, None)
+
+
+def _backward_schedule(streamed):
+    """The backward's chunk order, each chunk with the row blocks whose dK/dV are final once it is done.
+
+    Chunks that read every key (a left-padding row that sees none: `blind_chunks`) go first, then the others
+    from the last to the first. In that order a block is final once its first chunk is done, since every later
+    chunk came before it and earlier chunks read no key past their own end, unless that first chunk is blind:
+    those blocks are final at the end (returned separately). So dK/dV rows are freed while the input gradient
+    grows, instead of both being whole at once."""
+    blind = sorted(streamed.blind_chunks)
+    order = blind + [index for index in reversed(range(len(streamed.chunks))) if index not in streamed.blind_chunks]
+    first_chunks = {first: block for block, (first, _) in enumerate(streamed.blocks)}
+    schedule = [
+        (index, [first_chunks[index]] if index in first_chunks and index not in streamed.blind_chunks else [])
+        for index in order
+    ]
+    at_end = [block for block, (first, _) in enumerate(streamed.blocks) if first in streamed.blind_chunks]
+    return schedule, at_end
 
 
 class _StreamedLayerFunction(torch.autograd.Function):
@@ -505,10 +574,13 @@ class _StreamedLayerFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(x)  # (saved-tensor hooks, e.g. a user's save_on_cpu, see it)
             ctx.saved_input = None
-        return streamed.forward_without_graph(x)
+        return streamed.forward_without_graph(x, record_rng=True)
 
     @staticmethod
     def backward(ctx, grad_out):
+        """K/V of the whole sequence (no graph), then the chunks in `_backward_schedule`'s order, each
+        recomputed with graph and backpropagated; after a chunk, the K/V projections' backward of the row
+        blocks it made final. Each chunk and each K/V recomputation replays its own forward RNG state."""
         refuse_create_graph("streaming backward", "streaming_backward_chunk")
         x = ctx.saved_input
         if x is None:
@@ -517,58 +589,79 @@ class _StreamedLayerFunction(torch.autograd.Function):
         needs_x = ctx.needs_input_grad[0]
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
         acc = [None] * len(wanted)
-        grad_x = grad_out.new_zeros(x.shape, dtype=x.dtype) if needs_x else None
+        device = grad_out.device
+        grad_x = _RowBlocks(streamed, grad_out, dim=1, dtype=x.dtype) if needs_x else None
+        checked_keys_values = []
 
-        with restore_autocast_state(ctx.autocast_state):
-            with restore_rng_state(ctx.rng_state, x.device):
-                with torch.no_grad():
-                    keys, values = streamed.all_keys_values(x.rows)
-                # dK/dV are summed over chunks: in fp32 for half-precision K/V, rounded once at the end.
-                sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
-                grad_keys = torch.zeros_like(keys, dtype=sum_dtype)
-                grad_values = torch.zeros_like(values, dtype=sum_dtype)
-                with torch.enable_grad():
-                    for index, (start, end) in enumerate(streamed.chunks):
-                        kv_start, kv_end = streamed.key_ranges[index]
-                        x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
-                        k_chunk = keys[:, :, kv_start:kv_end].detach().requires_grad_()
-                        v_chunk = values[:, :, kv_start:kv_end].detach().requires_grad_()
-                        out = streamed.chunk_output(x_chunk, k_chunk, v_chunk, index, (grad_keys, grad_values))
-                        if index == 0:
-                            check_graph_inputs(out, [x_chunk, k_chunk, v_chunk, *params], "streaming backward")
-                        inputs = [k_chunk, v_chunk] + ([x_chunk] if needs_x else []) + wanted
-                        grads = torch.autograd.grad(out, inputs, grad_out[:, start:end], allow_unused=True)
-                        del out  # this chunk's graph goes before the next one is built
-                        if grads[0] is not None:  # else the attention added them itself (_SlabbedAttention)
-                            _sum_into(grad_keys, grads[0], kv_start, kv_end, dim=2)
-                            _sum_into(grad_values, grads[1], kv_start, kv_end, dim=2)
-                        if needs_x:
-                            _sum_into(grad_x, grads[2], start, end, dim=1)
-                        accumulate_grads(acc, grads[3 if needs_x else 2 :])
-                        del grads
-            del keys, values
-            # K/V backward, chunk by chunk, replaying the dropout draws of the forward's K/V pass.
-            with restore_rng_state(ctx.rng_state, x.device), torch.enable_grad():
-                for index, (start, end) in enumerate(streamed.chunks):
+        def keys_values_backward(block, grad_keys, grad_values):
+            """Backpropagate block `block`'s final dK/dV through RoPE, the K/V projections and the input norm."""
+            block_keys, block_values = grad_keys.pop(block), grad_values.pop(block)
+            if block_keys is None:
+                return  # no query read these keys: nothing flows back from them
+            first, end_chunk = streamed.blocks[block]
+            block_start = streamed.chunks[first][0]
+            for index in range(first, end_chunk):
+                start, end = streamed.chunks[index]
+                with restore_rng_state(streamed.kv_rng[index], device), torch.enable_grad():
                     x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
                     k_chunk, v_chunk = streamed.keys_values(x_chunk, start, end)
-                    if index == 0:
+                    if not checked_keys_values:
                         check_graph_inputs(k_chunk, [x_chunk, *params], "streaming backward (keys)")
                         check_graph_inputs(v_chunk, [x_chunk, *params], "streaming backward (values)")
+                        checked_keys_values.append(True)
                     inputs = ([x_chunk] if needs_x else []) + wanted
                     grads = torch.autograd.grad(
                         (k_chunk, v_chunk),
                         inputs,
                         (
-                            grad_keys[:, :, start:end].to(k_chunk.dtype),
-                            grad_values[:, :, start:end].to(v_chunk.dtype),
+                            block_keys[:, :, start - block_start : end - block_start].to(k_chunk.dtype),
+                            block_values[:, :, start - block_start : end - block_start].to(v_chunk.dtype),
                         ),
                         allow_unused=True,
                     )
-                    if needs_x:
-                        _sum_into(grad_x, grads[0], start, end, dim=1)
-                        grads = grads[1:]
-                    accumulate_grads(acc, grads)
+                if needs_x:
+                    grad_x.add(grads[0], start, end)
+                    grads = grads[1:]
+                accumulate_grads(acc, grads)
+
+        with restore_autocast_state(ctx.autocast_state):
+            with restore_rng_state(ctx.rng_state, device), torch.no_grad():
+                keys, values = streamed.all_keys_values(x.rows)
+            # dK/dV are summed over chunks: in fp32 for half-precision K/V, rounded once at the end.
+            sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
+            grad_keys = _RowBlocks(streamed, keys, dim=2, dtype=sum_dtype)
+            grad_values = _RowBlocks(streamed, values, dim=2, dtype=sum_dtype)
+            schedule, final_at_end = _backward_schedule(streamed)
+            for step, (index, final_blocks) in enumerate(schedule):
+                start, end = streamed.chunks[index]
+                kv_start, kv_end = streamed.key_ranges[index]
+                with restore_rng_state(streamed.chunk_rng[index], device), torch.enable_grad():
+                    x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
+                    k_chunk = keys[:, :, kv_start:kv_end].detach().requires_grad_()
+                    v_chunk = values[:, :, kv_start:kv_end].detach().requires_grad_()
+                    out = streamed.chunk_output(x_chunk, k_chunk, v_chunk, index, (grad_keys, grad_values))
+                    if step == 0:
+                        check_graph_inputs(out, [x_chunk, k_chunk, v_chunk, *params], "streaming backward")
+                    inputs = [k_chunk, v_chunk] + ([x_chunk] if needs_x else []) + wanted
+                    grads = torch.autograd.grad(out, inputs, grad_out[:, start:end], allow_unused=True)
+                    del out  # this chunk's graph goes before the next one is built
+                if grads[0] is not None:  # else the attention added them itself (_SlabbedAttention)
+                    grad_keys.add(grads[0], kv_start, kv_end)
+                    grad_values.add(grads[1], kv_start, kv_end)
+                if needs_x:
+                    grad_x.add(grads[2], start, end)
+                accumulate_grads(acc, grads[3 if needs_x else 2 :])
+                del grads
+                for block in final_blocks:
+                    keys_values_backward(block, grad_keys, grad_values)
+            del keys, values
+            for block in final_at_end:
+                keys_values_backward(block, grad_keys, grad_values)
+            if grad_keys.parts or grad_values.parts:  # a sum added after its block was backpropagated: lost
+                raise RuntimeError(
+                    f"streaming backward: K/V gradients of row blocks {sorted(grad_keys.parts)} were never "
+                    "backpropagated; refusing to return incomplete gradients. Please report this with your setup."
+                )
 
         for total, param in zip(acc, wanted):
             if total is None:
@@ -576,6 +669,9 @@ class _StreamedLayerFunction(torch.autograd.Function):
                     f"streaming backward: a parameter of shape {tuple(param.shape)} that requires grad got no gradient "
                     f"from {type(streamed.layer).__name__}'s recomputation; refusing to return a missing gradient."
                 )
+        if needs_x:
+            parts = [grad_x.pop(block) for block in range(len(streamed.blocks))]
+            grad_x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         param_grads = iter(total.to(p.dtype) for total, p in zip(acc, wanted))
         all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[3:]]
         return (grad_x, None, None, *all_grads)
