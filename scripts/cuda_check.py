@@ -12,7 +12,11 @@ Three parts, each printing its numbers and writing them to <out>/cuda_check.json
    SDPA attention) for the methods vanilla / checkpointing / mini_sequence /
    mini_sequence+checkpointing at each --seq: peak `torch.cuda.max_memory_allocated` (weights,
    optimizer states, gradients, activations) and median step time (forward, backward, AdamW).
-3. the planner's estimate of the same peaks (fake tensors on CPU, FlashAttention-like stand-in),
+3. streaming backward (`streaming_backward_chunk`) on CUDA, for sdpa and, where flash-attn is installed,
+   flash_attention_2: a small bf16 Llama (GQA), chunks 7 and 64, a left-padded batch and a packed one
+   (restarting position_ids); every gradient's error against an fp32 unsplit sdpa run, next to upstream
+   bf16's own error with the same attention (ours must be within 1.25x of it + 1e-3).
+4. the planner's estimate of the same peaks (fake tensors on CPU, FlashAttention-like stand-in),
    next to the measurement: how far the planner is from a real GPU.
 """
 
@@ -89,6 +93,46 @@ def exactness(device):
     return results
 
 
+def streaming_exactness(device):
+    """Streaming backward vs unsplit, bf16 on `device`, both measured against an fp32 unsplit sdpa reference."""
+    from transformers.utils import is_flash_attn_2_available
+
+    config = dict(MODELS["tiny"], vocab_size=512, pad_token_id=0, sliding_window=None)
+    gen = torch.Generator().manual_seed(99)
+    ids = torch.randint(1, 512, (2, 300), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    lengths = [120, 37, 143]
+    batches = {
+        "padded": dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)),
+        "packed": dict(input_ids=ids[:1], labels=ids[:1],
+                       position_ids=torch.cat([torch.arange(n) for n in lengths])[None]),
+    }
+
+    def grads_of(implementation, dtype, chunk, inputs):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(**config, streaming_backward_chunk=chunk)
+        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=implementation)
+        model.to(device=device, dtype=dtype).train()
+        model(**{k: v.to(device) for k, v in inputs.items()}).loss.backward()
+        return torch.cat([p.grad.double().flatten().cpu() for p in model.parameters()])
+
+    implementations = ["sdpa"] + (["flash_attention_2"] if device == "cuda" and is_flash_attn_2_available() else [])
+    results = {}
+    for kind, inputs in batches.items():
+        reference = grads_of("sdpa", torch.float32, None, inputs)
+        for implementation in implementations:
+            upstream = ((grads_of(implementation, torch.bfloat16, None, inputs) - reference).norm() / reference.norm()).item()
+            for chunk in (7, 64):
+                ours = ((grads_of(implementation, torch.bfloat16, chunk, inputs) - reference).norm() / reference.norm()).item()
+                name = f"{implementation} {kind} chunk={chunk}"
+                results[name] = {"grad_err": ours, "upstream_grad_err": upstream, "ok": ours <= 1.25 * upstream + 1e-3}
+                print(f"streaming {name:36s} grad err {ours:.2e} (upstream bf16 {upstream:.2e})", flush=True)
+    if "flash_attention_2" not in implementations:
+        print("streaming: flash_attention_2 not checked (flash-attn not installed or no GPU)", flush=True)
+    return results
+
+
 def build(model_name, chunk, checkpointing, device):
     config = transformers.LlamaConfig(**MODELS[model_name], mini_sequence_chunk=chunk, use_cache=False)
     config._attn_implementation = "sdpa"
@@ -152,6 +196,7 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--no-planner", action="store_true", help="skip the planner comparison")
     parser.add_argument("--no-exactness", action="store_true", help="skip part 1")
+    parser.add_argument("--no-streaming", action="store_true", help="skip part 3")
     parser.add_argument("--out", type=Path, default=Path("out/cuda_check"))
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -161,6 +206,7 @@ def main(argv=None):
     report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
               "model": args.model, "model_config": MODELS[args.model]}
     report["exactness"] = {} if args.no_exactness else exactness(device)
+    report["streaming"] = {} if args.no_streaming else streaming_exactness(device)
     planned = {} if args.no_planner else planner_peaks(args.model, args.methods, args.seq)
     rows = []
     for seq in args.seq:
@@ -181,6 +227,7 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"cuda_check_{'_'.join(map(str, args.seq))}.json").write_text(json.dumps(report, indent=1))
     bad = [k for k, v in report["exactness"].items() if v["loss_rel_err"] > 1e-5 or v["max_grad_rel_err"] > 1e-5 or v["missing_grads"]]
+    bad += [k for k, v in report["streaming"].items() if not v["ok"]]
     if bad:
         print(f"NOT EXACT: {bad}", file=sys.stderr)
         return 1

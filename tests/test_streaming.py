@@ -458,6 +458,149 @@ def test_no_grad_training_mode_runs_upstream(monkeypatch):
 # ----------------------------------------------------------------------------- errors
 
 
+# ----------------------------------------------------------------------------- flash_attention_2 (CPU stand-in)
+# flash-attn needs a GPU. On CPU its two kernels are replaced by a torch reference of their documented semantics
+# (flash-attn >= 2.1): per sequence, causal masking aligned bottom-right (query i of nq sees key j of nk iff
+# j <= i + nk - nq), a (left, right) window around that diagonal, soft-capped logits, GQA by head groups. Upstream's
+# own FlashAttention glue (unpadding, varlen packing, kwargs) runs unchanged around it, for the unsplit reference
+# and for the streamed chunks alike. What this cannot show is that the real kernels match their documentation.
+
+
+def reference_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False):
+    assert dropout_p == 0.0
+    out = q.new_zeros(q.shape)
+    groups = q.shape[1] // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+        assert q1 > q0 and k1 > k0, "empty varlen segment sent to the kernel"
+        assert q1 - q0 <= max_seqlen_q and k1 - k0 <= max_seqlen_k
+        queries = q[q0:q1].transpose(0, 1)
+        keys = k[k0:k1].transpose(0, 1).repeat_interleave(groups, 0)
+        values = v[k0:k1].transpose(0, 1).repeat_interleave(groups, 0)
+        scores = queries @ keys.transpose(-1, -2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        diagonal = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+        key_index = torch.arange(k1 - k0)[None]
+        allowed = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        if causal:
+            allowed &= key_index <= diagonal
+        if window_size[0] >= 0:
+            allowed &= key_index >= diagonal - window_size[0]
+        if window_size[1] >= 0:
+            allowed &= key_index <= diagonal + window_size[1]
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[q0:q1] = (probs @ values).transpose(0, 1)
+    return out
+
+
+def reference_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    deterministic=False):
+    batch, q_len, k_len = q.shape[0], q.shape[1], k.shape[1]
+    out = reference_flash_varlen(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), torch.arange(batch + 1) * q_len,
+        torch.arange(batch + 1) * k_len, q_len, k_len, dropout_p, softmax_scale, causal, window_size, softcap)
+    return out.view(q.shape)
+
+
+@pytest.fixture
+def flash_reference(monkeypatch):
+    """Upstream's flash_attention_2 path with the reference kernels; returns `prepare` for compare_streaming
+    (the model is built with sdpa, as flash-attn is not installed, then switched to flash_attention_2)."""
+    from transformers import modeling_flash_attention_utils as fa
+
+    calls = []
+
+    def counted(function):
+        return lambda *args, **kwargs: calls.append(function.__name__) or function(*args, **kwargs)
+
+    kernels = (counted(reference_flash), counted(reference_flash_varlen), None, fa._pad_input, fa._unpad_input)
+    processing = (fa._lazy_define_process_function(reference_flash_varlen), dict)
+    monkeypatch.setattr(fa, "lazy_import_flash_attention", lambda *args, **kwargs: (kernels, processing))
+
+    def prepare(model):
+        model.config._attn_implementation = "flash_attention_2"
+        return model
+
+    prepare.calls = calls
+    return prepare
+
+
+FLASH_FAMILIES = sorted(FAMILIES)  # Gemma-2 too: FlashAttention soft-caps its logits
+
+
+def test_flash_reference_is_not_sdpa(flash_reference):
+    """The stand-in really runs (and so the comparisons below are of the flash_attention_2 path)."""
+    model = flash_reference(make_model("llama"))
+    ids, mask, labels = batch(1)
+    train_step(model, ids, mask, labels)
+    assert "reference_flash_varlen" in flash_reference.calls
+
+
+@pytest.mark.parametrize("family", FLASH_FAMILIES)
+@pytest.mark.parametrize("chunk", [1, 7, SEQ + 5, "auto"], ids=str)
+def test_exact_flash_attention_padded(family, chunk, flash_reference):
+    """Batch 3, left padding on one row (whole chunks of it padding: that row is left out of those chunks' calls,
+    which must never send an empty query segment), ignored labels; GQA."""
+    compare_streaming(family, chunk, seed_of(family, "flash", chunk), prepare=flash_reference)
+
+
+@pytest.mark.parametrize("family", FLASH_FAMILIES)
+def test_exact_flash_attention_unpadded_and_right_padded(family, flash_reference):
+    ids, mask, labels = batch(seed_of(family, "flash-right"))
+    compare_streaming(family, 6, 0, inputs=(ids, None, labels), prepare=flash_reference)  # no mask at all
+    mask = torch.ones_like(mask)
+    mask[0, -9:] = 0
+    compare_streaming(family, 6, 0, inputs=(ids, mask, ids.masked_fill(mask == 0, -100)), prepare=flash_reference,
+                      model_kwargs={"mini_sequence_chunk": 5})
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+@pytest.mark.parametrize("window", [4, 7, 16], ids=lambda w: f"window{w}")
+def test_exact_flash_attention_sliding_window(family, window, flash_reference):
+    """Window smaller than, equal to and larger than the chunk: with left padding, with a hole in a row's mask as
+    well (upstream's window counts unpadded tokens, so a padded chunk reads from key 0), and without a mask (the
+    chunk reads keys from start - window + 1)."""
+    ids, mask, labels = batch(seed_of(family, "flash-window", window))
+    holed = mask.clone()
+    holed[0, 12:15] = 0
+    for inputs in ((ids, mask, labels), (ids, holed, labels.masked_fill(holed == 0, -100)), (ids, None, labels)):
+        compare_streaming(family, 7, 0, inputs=inputs, prepare=flash_reference, model_kwargs=WINDOWED[family](window))
+
+
+@pytest.mark.parametrize("family", FLASH_FAMILIES)
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
+def test_exact_flash_attention_packed(family, how, flash_reference):
+    """Padding-free packing, as TRL and DataCollatorWithFlattening give it: position_ids that restart, or
+    FlashAttention's own cu_seq_lens/max_length kwargs. Chunk 5 against sequences of 13, 9 and 18 tokens: chunks
+    that start inside a sequence, hold a whole one, or span two; with a window of 4 for the windowed families."""
+    lengths = [13, 9, 18]
+    gen = torch.Generator().manual_seed(seed_of(family, "flash-packed"))
+    ids = torch.randint(1, COMMON["vocab_size"], (1, sum(lengths)), generator=gen)
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor(lengths), 0)[:-1]] = -100
+    step_kwargs = {"position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    if how == "cu_seq_lens":
+        cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int32)
+        step_kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    model_kwargs = WINDOWED[family](4) if family in WINDOWED else {}
+    compare_streaming(family, 5, 0, inputs=(ids, None, labels), step_kwargs=step_kwargs, prepare=flash_reference,
+                      model_kwargs=model_kwargs)
+
+
+def test_flash_attention_with_top_left_causal_mask_refused(flash_reference, monkeypatch):
+    """flash-attn < 2.1 aligns the causal mask top-left: every chunk after the first would be wrong."""
+    from transformers import modeling_flash_attention_utils as fa
+
+    monkeypatch.setattr(fa, "flash_attn_supports_top_left_mask", lambda: True)
+    model = flash_reference(make_model("llama", streaming_backward_chunk=4))
+    ids = torch.ones(1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"flash-attn aligns its causal mask top-left.*>= 2\.1"):
+        model.train()(input_ids=ids, labels=ids)
+
+
 def test_unsupported_attention_implementation_raises_at_first_training_forward():
     def plain_attention(module, query, key, value, attention_mask, **kwargs):
         return transformers.integrations.sdpa_attention.sdpa_attention_forward(
@@ -467,7 +610,7 @@ def test_unsupported_attention_implementation_raises_at_first_training_forward()
     model = make_model("llama", streaming_backward_chunk=4, attn_implementation="mst_test_attention")
     ids = torch.ones(1, 12, dtype=torch.long)
     model.eval()(input_ids=ids)  # eval: upstream path, fine
-    with pytest.raises(ValueError, match=r"attn_implementation='mst_test_attention'.*\('sdpa', 'eager'\)"):
+    with pytest.raises(ValueError, match=r"attn_implementation='mst_test_attention'.*\('sdpa', 'eager', 'flash_attention_2'\)"):
         model.train()(input_ids=ids, labels=ids)
 
 

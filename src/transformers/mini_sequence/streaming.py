@@ -16,12 +16,18 @@ flash-attention kernels, which return each row's logsumexp: its backward adds ea
 accumulators, where SDPA's backward would return dK/dV for the whole key prefix (two more K/V-sized tensors
 at the last chunk); plainly causal chunks need no mask tensor either (`_SlabbedAttention`). Other devices
 take SDPA or the model's attention function per chunk (the same kernels exist on CUDA, untested here).
-The forward runs the same chunks without graph, so forward and backward see the same arithmetic. Gradients equal the unsplit layer's to fp32 rounding: attention of
-a query row only reads the keys its mask allows, and the chunk's mask is the exact slice of the full
-mask (or, when the model passed none because the attention is plainly causal, torch's lower-right
-causal bias for SDPA, or the causal/sliding mask built by `masking_utils.sdpa_mask` with the chunk's
-offsets: SDPA's own `is_causal` aligns the mask top-left and would be wrong for every chunk after the
-first).
+The forward runs the same chunks without graph, so forward and backward see the same arithmetic. Gradients
+equal the unsplit layer's to fp32 rounding: attention of a query row only reads the keys its mask allows,
+and the chunk's mask is the exact slice of the full mask (or, when the model passed none because the
+attention is plainly causal, torch's lower-right causal bias for SDPA, or the causal/sliding mask built by
+`masking_utils.sdpa_mask` with the chunk's offsets: SDPA's own `is_causal` aligns the mask top-left and
+would be wrong for every chunk after the first). FlashAttention (>= 2.1) aligns its causal mask and window
+bottom-right itself: a chunk passes it the padding mask's key columns, or per-chunk cu_seq_lens for packed
+sequences (`_plan_flash_chunks`).
+
+The backward runs the chunks from the last to the first, each replaying its own forward RNG state: a row
+block's dK/dV are final once its first chunk is done, so they are backpropagated through the K/V
+projections and freed while the input gradient grows (`_RowBlocks`, `_backward_schedule`).
 
 When gradient checkpointing is on too, streaming replaces it for these layers (one recompute, not
 two): `modeling_layers.GradientCheckpointingLayer` asks `applies(layer)` first. Eval, generation and
@@ -73,7 +79,10 @@ SUPPORTED_LAYERS = {
     ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer"): _LLAMA_LIKE,
     ("transformers.models.gemma2.modeling_gemma2", "Gemma2DecoderLayer"): _GEMMA2,
 }
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+FLASH_ATTENTION = "flash_attention_2"
+SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH_ATTENTION)
+# FlashAttention's own packing inputs: the streamed layer turns them into per-chunk ones (`_plan_flash_chunks`).
+_FLASH_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # Attention functions that, called with mask=None, mask an offset query chunk causally themselves, aligned
 # bottom-right (FlashAttention's convention), so a chunk needs no mask tensor. Only the planner registers one
 # (plan.py: its FlashAttention-like memory stand-in, whose step must not allocate a [chunk, keys] mask).
@@ -203,9 +212,19 @@ class _StreamedLayer:
         if implementation not in SUPPORTED_ATTENTION and implementation not in BOTTOM_RIGHT_CAUSAL_ATTENTION:
             raise ValueError(
                 f"{STREAMING_FIELD_NAME} is set but the model uses attn_implementation={implementation!r}; streaming "
-                f"backward runs offset query chunks only with {SUPPORTED_ATTENTION} (flash_attention_2 is not "
-                "supported yet). Load the model with attn_implementation='sdpa' or 'eager', or unset the field."
+                f"backward runs offset query chunks only with {SUPPORTED_ATTENTION}. Load the model with one of "
+                "them, or unset the field."
             )
+        self.flash = implementation == FLASH_ATTENTION
+        if self.flash:
+            from ..modeling_flash_attention_utils import flash_attn_supports_top_left_mask
+
+            if flash_attn_supports_top_left_mask():
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: the installed flash-attn aligns its causal mask top-left (before 2.1), "
+                    "which masks every query chunk after the first wrongly. Install flash-attn >= 2.1, or use "
+                    "attn_implementation='sdpa'."
+                )
         from ..modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, family_module.eager_attention_forward)
@@ -217,7 +236,15 @@ class _StreamedLayer:
         if position_embeddings is None:
             raise ValueError(f"{STREAMING_FIELD_NAME}: the decoder layer was called without position_embeddings.")
         batch, seq_len = hidden_states.shape[:2]
-        if attention_mask is not None:
+        if attention_mask is not None and self.flash:
+            # FlashAttention gets the [batch, key] padding mask (or none) and unpads by it, as upstream does.
+            if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, seq_len):
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: with flash_attention_2 the decoder layer got an attention mask of shape "
+                    f"{getattr(attention_mask, 'shape', None)}; streaming slices a [batch, {seq_len}] padding mask "
+                    "per chunk and supports no other kind (a KV cache or prefix is not supported)."
+                )
+        elif attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
                 raise ValueError(
                     f"{STREAMING_FIELD_NAME}: the decoder layer got an attention mask of type "
@@ -253,6 +280,13 @@ class _StreamedLayer:
             self.attention_kwargs["sliding_window"] = self.window
         if getattr(attn, "attn_logit_softcapping", None) is not None:
             self.attention_kwargs["softcap"] = attn.attn_logit_softcapping
+        if self.flash:
+            # Causal, aligned bottom-right by FlashAttention itself: right for an offset chunk. Packing (position_ids
+            # or FlashAttention's own cu_seq_lens) is given per chunk instead (`_plan_flash_chunks`).
+            self.attention_kwargs["is_causal"] = True
+            self.sequence_starts = self._packed_sequence_starts(batch)
+            for name in ("position_ids", *_FLASH_VARLEN_KWARGS):
+                self.attention_kwargs.pop(name, None)
         self.plain_causal_sdpa = (
             implementation == "sdpa"
             and attention_mask is None
@@ -264,7 +298,7 @@ class _StreamedLayer:
         # soft-capping, no dropout (its draws could not be replayed slab by slab), a mask or plain causality.
         self.slabbed = (
             hidden_states.device.type in SLABBED_DEVICES
-            and implementation in SUPPORTED_ATTENTION
+            and implementation in ("sdpa", "eager")
             and self.attention_kwargs["dropout"] == 0.0
             and "softcap" not in self.attention_kwargs
             and (attention_mask is not None or self.plain_causal_sdpa)
@@ -276,6 +310,81 @@ class _StreamedLayer:
             return 0
         return max(0, start - self.window + 1)
 
+    def _packed_sequence_starts(self, batch: int):
+        """Where the packed sequences start, as upstream's FlashAttention path would split the batch: none with a
+        padding mask (it unpads by the mask), else FlashAttention's own cu_seq_lens when given, else the
+        restarts of position_ids (one row, as upstream requires). None when nothing is packed."""
+        from ..modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
+
+        kwargs = self.attention_kwargs
+        if self.mask is not None:
+            return None
+        if all(kwargs.get(name) is not None for name in _FLASH_VARLEN_KWARGS):
+            cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+            if cu_q.shape != cu_k.shape or not bool((cu_q == cu_k).all()) or int(cu_q[-1]) != batch * self.seq_len:
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: cu_seq_lens_q and cu_seq_lens_k must both split the whole "
+                    f"{batch} x {self.seq_len} tokens the same way (self-attention over packed sequences)."
+                )
+            if batch != 1:
+                raise ValueError(f"{STREAMING_FIELD_NAME}: packed sequences (cu_seq_lens) need batch size 1, got {batch}.")
+            return cu_q[:-1].tolist()
+        position_ids = kwargs.get("position_ids")
+        if _is_packed_sequence(position_ids, batch):
+            (cu_q, _), _ = prepare_fa_kwargs_from_position_ids(position_ids)
+            return cu_q[:-1].tolist()
+        return None
+
+    def _plan_flash_chunks(self) -> None:
+        """Key ranges and FlashAttention arguments per chunk (`self.flash_kwargs`, `self.flash_rows`).
+
+        FlashAttention masks a chunk itself (causal bottom-right, the window, per packed sequence), so the key
+        range is the causal prefix from the window's first key, and from the first key of the packed sequence
+        the chunk starts in: the chunk's sequences then have consecutive key parts for cu_seq_lens_k. With a
+        padding mask the window counts unpadded tokens (upstream unpads first), so a windowed chunk reads from
+        key 0 there. Batch rows with no real query in a chunk (left padding) are left out of its call and get
+        zeros, as upstream's padding rows do: varlen kernels have had bugs with empty query segments."""
+        self.key_ranges, self.blind_chunks, self.flash_kwargs, self.flash_rows = [], set(), [], []
+        starts = self.sequence_starts
+        device = self.cos.device
+        for start, end in self.chunks:
+            kv_start = 0 if self.mask is not None else self._window_start(start)
+            kwargs, rows = {}, None
+            if starts is not None:
+                kv_start = max(kv_start, starts[bisect.bisect_right(starts, start) - 1])
+                inner = [first for first in starts if start < first < end]
+                q_edges, k_edges = [start, *inner, end], [kv_start, *inner, end]
+                lengths = [b - a for a, b in zip(q_edges, q_edges[1:])]
+                key_lengths = [b - a for a, b in zip(k_edges, k_edges[1:])]
+                kwargs = {
+                    "cu_seq_lens_q": torch.tensor([e - start for e in q_edges], dtype=torch.int32, device=device),
+                    "cu_seq_lens_k": torch.tensor([e - kv_start for e in k_edges], dtype=torch.int32, device=device),
+                    "max_length_q": max(lengths),
+                    "max_length_k": max(key_lengths),
+                }
+            if self.mask is not None:
+                has_query = self.mask[:, start:end].bool().any(dim=-1)
+                if not bool(has_query.all()):
+                    rows = has_query.nonzero().view(-1)
+            self.key_ranges.append((kv_start, end))
+            self.flash_kwargs.append(kwargs)
+            self.flash_rows.append(rows)
+
+    def flash_chunk_attention(self, queries, keys, values, index: int):
+        """FlashAttention of chunk `index` through the model's function (see `_plan_flash_chunks`)."""
+        kv_start, kv_end = self.key_ranges[index]
+        mask = None if self.mask is None else self.mask[:, kv_start:kv_end]
+        kwargs = {**self.attention_kwargs, **self.flash_kwargs[index]}
+        rows = self.flash_rows[index]
+        if rows is None:
+            return self.attention(self.attn, queries, keys, values, mask, **kwargs)[0]
+        batch, heads, length, head_dim = queries.shape
+        out = queries.new_zeros(batch, length, heads, head_dim)
+        if rows.numel():
+            part = self.attention(self.attn, queries[rows], keys[rows], values[rows], mask[rows], **kwargs)[0]
+            out = out.index_put((rows,), part)
+        return out
+
     def plan_key_ranges(self) -> None:
         """For each query chunk, the key range [kv_start, kv_end) its attention reads (`self.key_ranges`).
 
@@ -286,6 +395,9 @@ class _StreamedLayer:
         uniform over every key, and with left padding the last padding position predicts the first real
         label, so that value reaches the loss. Reads the mask once, in the forward.
         """
+        if self.flash:
+            self._plan_flash_chunks()
+            return
         if self.mask is None and self.attn.config._attn_implementation == "eager":
             # Upstream's eager attention with no mask attends to every key, future ones included.
             raise ValueError(f"{STREAMING_FIELD_NAME}: eager attention was called without a mask (bidirectional).")
@@ -404,6 +516,8 @@ class _StreamedLayer:
         torch materializes the same boolean mask `chunk_mask` builds. Everything else goes through the model's
         attention function."""
         start, end = self.chunks[index]
+        if self.flash:
+            return self.flash_chunk_attention(queries, keys, values, index)
         if self.slabbed and index not in self.blind_chunks and (sink is not None or not torch.is_grad_enabled()):
             return _SlabbedAttention.apply(queries, keys, values, self, index, sink).transpose(1, 2)
         if self.plain_causal_sdpa:
