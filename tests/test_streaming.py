@@ -590,6 +590,14 @@ def test_exact_flash_attention_packed(family, how, flash_reference):
                       model_kwargs=model_kwargs)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_exact_flash_attention_wrapper_path(family, flash_reference, monkeypatch):
+    """The nested-checkpoint path (ZeRO-3, FSDP1) with flash_attention_2, padded batch."""
+    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer: None)
+    compare_streaming(family, 7, seed_of(family, "flash-wrapped"), prepare=flash_reference,
+                      model_kwargs={"mini_sequence_chunk": 6})
+
+
 def test_flash_attention_with_top_left_causal_mask_refused(flash_reference, monkeypatch):
     """flash-attn < 2.1 aligns the causal mask top-left: every chunk after the first would be wrong."""
     from transformers import modeling_flash_attention_utils as fa
