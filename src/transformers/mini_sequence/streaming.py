@@ -354,7 +354,7 @@ class _StreamedLayer:
             kwargs, rows = {}, None
             if starts is not None:
                 kv_start = max(kv_start, starts[bisect.bisect_right(starts, start) - 1])
-                inner = [first for first in starts if start < first < end]
+                inner = starts[bisect.bisect_right(starts, start) : bisect.bisect_left(starts, end)]
                 q_edges, k_edges = [start, *inner, end], [kv_start, *inner, end]
                 lengths = [b - a for a, b in zip(q_edges, q_edges[1:])]
                 key_lengths = [b - a for a, b in zip(k_edges, k_edges[1:])]
@@ -508,15 +508,15 @@ class _StreamedLayer:
     def chunk_attention(self, queries, keys, values, index: int, sink=None):
         """Attention of query chunk `index` against its key range; [B, T, heads, head_dim] as HF's functions give.
 
-        On CPU, with no soft-capping or dropout, the forward (no graph) and the backward's recomputation (which
-        passes `sink`) run `_SlabbedAttention`, except in a chunk holding a query that sees no key (left padding:
-        upstream's function decides what such a row gets). Under checkpointing (the wrapper path, no `sink`)
-        autograd must get dK/dV back, so the model's function runs. Otherwise, a plainly causal SDPA chunk (the model passed no mask: no padding or packing, no window shorter than the
-        sequence) goes to torch's SDPA with a lower-right causal bias: on CUDA that runs FlashAttention's causal
-        kernel for an offset chunk with no mask tensor and no K/V repeated to every query head (`enable_gqa`),
-        where HF's function, given the chunk's mask, would build a [chunk, keys] mask and expand K/V; on CPU
-        torch materializes the same boolean mask `chunk_mask` builds. Everything else goes through the model's
-        attention function."""
+        flash_attention_2 chunks go to `flash_chunk_attention`. On CPU, with no soft-capping or dropout, the
+        forward (no graph) and the backward's recomputation (which passes `sink`) run `_SlabbedAttention`,
+        except in a chunk holding a query that sees no key (left padding: upstream's function decides what such
+        a row gets). Under checkpointing (the wrapper path, no `sink`) autograd must get dK/dV back, so the
+        model's function runs. Otherwise, a plainly causal SDPA chunk (the model passed no mask: no padding or
+        packing, no window shorter than the sequence) goes to torch's SDPA with a lower-right causal bias: on
+        CUDA that runs FlashAttention's causal kernel for an offset chunk with no mask tensor and no K/V
+        repeated to every query head (`enable_gqa`), where HF's function, given the chunk's mask, would build a
+        [chunk, keys] mask and expand K/V. Everything else goes through the model's attention function."""
         start, end = self.chunks[index]
         if self.flash:
             return self.flash_chunk_attention(queries, keys, values, index)
@@ -683,14 +683,13 @@ class _StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, streamed, offload, *params):
         ctx.autocast_state = capture_autocast_state(x.device.type)
-        ctx.rng_state = capture_rng_state(x.device)  # dropout draws replayed in backward
         ctx.streamed, ctx.params = streamed, params
         if offload:
             ctx.saved_input = _SavedInput(x, offload=True)
         else:
             ctx.save_for_backward(x)  # (saved-tensor hooks, e.g. a user's save_on_cpu, see it)
             ctx.saved_input = None
-        return streamed.forward_without_graph(x, record_rng=True)
+        return streamed.forward_without_graph(x, record_rng=True)  # dropout draws replayed in backward
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -741,7 +740,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 accumulate_grads(acc, grads)
 
         with restore_autocast_state(ctx.autocast_state):
-            with restore_rng_state(ctx.rng_state, device), torch.no_grad():
+            # From the first chunk's recorded state the K/V pass draws what the forward's drew.
+            with restore_rng_state(streamed.kv_rng[0], device), torch.no_grad():
                 keys, values = streamed.all_keys_values(x.rows)
             # dK/dV are summed over chunks: in fp32 for half-precision K/V, rounded once at the end.
             sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
