@@ -196,10 +196,6 @@ def _keep(tensor):
     return tensor
 
 
-def _on_device(value, device):
-    return value.to(device) if torch.is_tensor(value) else value
-
-
 class _MiniSequenceLMLossFunction(torch.autograd.Function):
     """Returns the fp32 sum of the token losses divided by ``divisor`` (the token count or
     ``num_items_in_batch``). The logits gradient is scaled by ``1 / divisor`` in fp32 before it is
@@ -224,9 +220,10 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
             acc[weight_index] = torch.zeros_like(weight, dtype=torch.float32 if half else weight.dtype)
         autograd_params = [p for p in wanted_params if p is not weight]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        divisor = _on_device(divisor, hidden.device)
-        # d(loss) / d(sum of the token losses), in fp32 as upstream's division backward computes it.
-        grad_scale = torch.ones((), dtype=torch.float32, device=hidden.device) / divisor
+        divisor = divisor.to(hidden.device)
+        # d(loss) / d(sum of the token losses), in fp32 as upstream's division backward computes it; 0 for a
+        # divisor of 0 (see `divide_loss_sum`).
+        grad_scale = torch.where(divisor == 0, 0.0, torch.ones((), dtype=torch.float32, device=hidden.device) / divisor)
 
         num_tokens = hidden.shape[0]
         for start in range(0, num_tokens, chunk_size):
@@ -281,7 +278,7 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
         ctx.param_grads = acc
         ctx.param_dtypes = [p.dtype for p in wanted_params]
         ctx.needs_param = needs_param
-        return total / divisor
+        return total / divisor  # the value only: backward uses the gradients scaled above
 
     @staticmethod
     def backward(ctx, grad_total):
@@ -328,6 +325,24 @@ def _can_use_linear_cross_entropy(lm_head, hidden, softcap, vocab_size) -> bool:
     return type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.device == hidden.device
 
 
+def divide_loss_sum(loss_sum: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """``loss_sum / divisor`` (upstream's ``reduction="sum"`` then ``/ num_items_in_batch``, or its mean), with
+    upstream's gradients when ``divisor`` is 0.
+
+    A divisor of 0 means there is nothing to predict: every label is ignored and ``num_items_in_batch`` is 0 (the
+    Trainer passes 0 when no micro-batch of an accumulation window has a label), or no ``num_items_in_batch`` and
+    no label. Upstream's loss is then NaN (0 / 0) and its gradients are exactly 0, because cross-entropy's own
+    backward writes 0 for ignored tokens whatever the incoming gradient. A chunked loss cannot rely on that: its
+    ``d loss / d loss_sum = 1 / 0 = inf`` reaches code (``F.linear_cross_entropy``'s backward, a hand-written
+    gradient) that multiplies it by the zeros of ignored tokens and returns NaN for every weight. So: the same
+    value (``loss_sum / divisor``: NaN for 0 / 0), and a gradient of 0 into ``loss_sum`` when the divisor is 0.
+    Where/where instead of a branch: no host sync."""
+    divisor = divisor.to(loss_sum.device)
+    empty = divisor == 0
+    safe_divisor = torch.where(empty, 1, divisor)
+    return torch.where(empty, loss_sum.detach() / divisor, loss_sum / safe_divisor)
+
+
 def _shift_and_flatten_labels(labels, shift_labels, ignore_index, device):
     # As upstream ForCausalLMLoss: pad with ignore_index, shift left by one.
     if shift_labels is None:
@@ -363,17 +378,11 @@ def mini_sequence_causal_lm_loss(
         )
 
     # Upstream: the loss sum divided by num_items_in_batch when given (fixed_cross_entropy, tensor
-    # moved to the device), else the mean over non-ignored tokens.
+    # moved to the device), else the mean over non-ignored tokens. Either may be 0: `divide_loss_sum`.
     if num_items_in_batch is not None:
-        divisor = _on_device(num_items_in_batch, hidden.device)
-        nan_if_empty = None
+        divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
     else:
-        # When every label is ignored upstream returns NaN with all-zero gradients; a plain 0/0
-        # would give NaN gradients too, so divide by max(count, 1) and add NaN as a constant
-        # (no sync, no grad).
-        count = (flat_labels != ignore_index).sum()
-        divisor = count.clamp(min=1)
-        nan_if_empty = torch.where(count == 0, float("nan"), 0.0)
+        divisor = (flat_labels != ignore_index).sum()
 
     params = function_parameters(lm_head) if torch.is_grad_enabled() else None
     if torch.is_grad_enabled() and params is None:
@@ -392,14 +401,13 @@ def mini_sequence_causal_lm_loss(
             )
             return torch.stack([s.to(chunk_sums[0].device) for s in chunk_sums]).sum()
 
-        loss_sum = call_hooks_once(lm_head, chunked_loss_sum, hidden)
-        loss = loss_sum / _on_device(divisor, loss_sum.device)
+        loss = divide_loss_sum(call_hooks_once(lm_head, chunked_loss_sum, hidden), divisor)
     elif _can_use_linear_cross_entropy(lm_head, hidden, final_logit_softcapping, vocab_size):
         options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size, chunking_method=None)
         loss_sum = F.linear_cross_entropy(
             hidden, lm_head.weight, flat_labels, reduction="sum", ignore_index=ignore_index, options=options
         )
-        loss = loss_sum / divisor
+        loss = divide_loss_sum(loss_sum, divisor)
     elif params is not None and (hidden.requires_grad or params):
         loss = _MiniSequenceLMLossFunction.apply(
             hidden, flat_labels, chunk_size, lm_head, final_logit_softcapping, ignore_index, vocab_size, divisor,
@@ -414,8 +422,5 @@ def mini_sequence_causal_lm_loss(
                 loss_sum += _chunk_loss_sum(
                     lm_head, hidden[start:end], flat_labels[start:end], final_logit_softcapping, ignore_index, vocab_size
                 ).to(loss_sum.device)
-        loss = loss_sum / divisor
-
-    if nan_if_empty is not None:
-        loss = loss + nan_if_empty.to(device=loss.device, dtype=loss.dtype)
+        loss = divide_loss_sum(loss_sum, divisor)
     return loss

@@ -56,7 +56,6 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..utils import logging
 from ._state import (
     accumulate_grads,
     capture_autocast_state,
@@ -67,8 +66,6 @@ from ._state import (
 from .config import STREAMING_FIELD_NAME, streaming_chunk_size
 from .wrappers import check_graph_inputs, function_parameters, refuse_create_graph
 
-
-logger = logging.get_logger(__name__)
 
 # Decoder layers we know how to stream, by the module that defines them -> layer layout.
 _LLAMA_LIKE = "pre-norm"  # x + attn(norm(x)), then h + mlp(norm(h))
@@ -887,6 +884,20 @@ def _offload_requested(layer) -> bool:
     return bool(layer.gradient_checkpointing and getattr(layer._gradient_checkpointing_func, "offload", False))
 
 
+def _check_cache_is_empty(layer, cache) -> None:
+    """A streamed layer neither reads nor fills `past_key_values`, as under upstream's gradient checkpointing, which
+    streaming replaces: a training forward with the default `use_cache=True` returns the (empty) cache the model
+    made, without the whole sequence's keys and values (their memory is what streaming saves). Cached tokens
+    from an earlier call would be silently not attended to: refused."""
+    cached = cache.get_seq_length(layer.self_attn.layer_idx) if cache is not None else 0
+    if cached:
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME}: past_key_values holds {cached} cached tokens, which a streamed layer cannot "
+            "attend to (streamed training forwards neither read nor fill a cache). Train without past_key_values, "
+            "or unset the field."
+        )
+
+
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward, for its signature)."""
     cls, layout = _layout(layer)
@@ -900,12 +911,12 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     arguments = dict(bound.arguments)
     extra = dict(arguments.pop("kwargs", {}))
     hidden_states = arguments["hidden_states"]
-    if arguments.get("past_key_values") is not None or arguments.get("use_cache"):
-        # As upstream's gradient checkpointing does: a training step does not fill a cache.
-        logger.warning_once(
-            f"{STREAMING_FIELD_NAME}: caching is incompatible with streaming backward in {cls.__name__}; "
-            "the layer does not update past_key_values."
+    if hidden_states.shape[0] == 0 or hidden_states.shape[1] == 0:
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME}: the batch is empty (hidden_states of shape {tuple(hidden_states.shape)}); "
+            "a training step needs at least one sequence of at least one token."
         )
+    _check_cache_is_empty(layer, arguments.get("past_key_values"))
     if "position_ids" in arguments:
         extra["position_ids"] = arguments["position_ids"]
     _check_attention_hooks(layer.self_attn)
