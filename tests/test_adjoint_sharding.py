@@ -355,7 +355,7 @@ def test_flags_on_a_model_without_the_path_warn(caplog):
     transformers.logging.enable_propagation()
     with caplog.at_level(logging.WARNING):
         make_model("llama", adjoint_sharding_chunk=8)
-    assert "(model_type='llama') has no adjoint-sharding path: adjoint_sharding_chunk=8 is ignored" in caplog.text
+    assert "model_type='llama' has no adjoint_sharding_chunk path: adjoint_sharding_chunk=8 is ignored" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         make_model("mamba", mini_sequence_chunk=8)  # chunks its LM head: no warning

@@ -97,7 +97,7 @@ def test_flag_on_unsupported_model_warns(caplog):
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, mini_sequence_chunk=8)
     with caplog.at_level(logging.WARNING):
         transformers.GPT2LMHeadModel(config)
-    assert "GPT2LMHeadModel (model_type='gpt2') has no mini-sequence path" in caplog.text
+    assert "model_type='gpt2' has no mini_sequence_chunk path: mini_sequence_chunk=8 is ignored" in caplog.text
 
 
 def test_flag_assigned_after_construction_is_checked_at_use():

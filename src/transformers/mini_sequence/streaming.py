@@ -108,9 +108,11 @@ def _layout(layer):
 def applies(layer) -> bool:
     """Whether `layer`'s forward should stream (called by GradientCheckpointingLayer for every layer)."""
     config = getattr(getattr(layer, "self_attn", None), "config", None)
-    if getattr(config, STREAMING_FIELD_NAME, None) is None:
+    if getattr(config, STREAMING_FIELD_NAME, None) is None or not (layer.training and torch.is_grad_enabled()):
         return False
-    return layer.training and torch.is_grad_enabled()
+    # A layer of another family (the field set on a model type without the path, from `from_pretrained` or a
+    # config.json) is not streamed: the model warned at construction that the field is ignored (support.py).
+    return _layout(layer)[1] is not None
 
 
 # id(mask) -> (weak reference to the mask, (its version, window and chunks), key ranges).
@@ -900,13 +902,7 @@ def _check_cache_is_empty(layer, cache) -> None:
 
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward, for its signature)."""
-    cls, layout = _layout(layer)
-    if layout is None:
-        supported = ", ".join(name for _, name in SUPPORTED_LAYERS)
-        raise ValueError(
-            f"{STREAMING_FIELD_NAME} is set but {type(layer).__name__} is not a decoder layer streaming backward "
-            f"supports ({supported}). Unset the field for this model."
-        )
+    cls, layout = _layout(layer)  # not None: `applies`
     bound = inspect.signature(forward).bind(layer, *args, **kwargs)
     arguments = dict(bound.arguments)
     extra = dict(arguments.pop("kwargs", {}))

@@ -1,11 +1,14 @@
-"""Checks every model runs at construction (patch 0005 calls `check_model` from `post_init`).
+"""Checks every model runs at construction (patch 0005 calls `check_model` from `post_init`), and the config
+fields of ours that `from_pretrained` / `AutoConfig.from_pretrained` accept on every model type (patch 0014).
 
-Imported by modeling_utils, so it imports nothing heavy.
+Imported by modeling_utils and configuration_utils, so it imports nothing heavy.
 """
 
-from ..adjoint_sharding.config import validate_adjoint_sharding
+import inspect
+
+from ..adjoint_sharding.config import CHUNK_FIELD_NAME, TRUNCATION_FIELD_NAME, validate_adjoint_sharding
 from ..utils import logging
-from .config import validate_mini_sequence_chunk
+from .config import FIELD_NAME, STREAMING_FIELD_NAME, validate_mini_sequence_chunk, validate_streaming_backward_chunk
 
 
 logger = logging.get_logger(__name__)
@@ -13,40 +16,102 @@ logger = logging.get_logger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2")
 # State-space models: adjoint sharding; they have no MLP, so mini_sequence_chunk chunks their LM head + loss.
 ADJOINT_MODEL_TYPES = ("mamba", "falcon_mamba")
+# Each field of ours -> the model types that have its path. Set on any other model type, a field is validated,
+# saved with the config and ignored, with a warning.
+FIELD_MODEL_TYPES = {
+    FIELD_NAME: SUPPORTED_MODEL_TYPES + ADJOINT_MODEL_TYPES,
+    STREAMING_FIELD_NAME: SUPPORTED_MODEL_TYPES,
+    CHUNK_FIELD_NAME: ADJOINT_MODEL_TYPES,
+    TRUNCATION_FIELD_NAME: ADJOINT_MODEL_TYPES,
+}
+CONFIG_FIELDS = tuple(FIELD_MODEL_TYPES)
+
+
+def validate_fields(config) -> None:
+    """Raise ``ValueError`` naming the field for any invalid value of ours on ``config`` (absent fields are None)."""
+    validate_mini_sequence_chunk(getattr(config, FIELD_NAME, None))
+    validate_streaming_backward_chunk(getattr(config, STREAMING_FIELD_NAME, None))
+    validate_adjoint_sharding(getattr(config, CHUNK_FIELD_NAME, None), getattr(config, TRUNCATION_FIELD_NAME, None))
 
 
 def check_model(model) -> None:
-    """Validate `config.mini_sequence_chunk` and the adjoint-sharding fields; warn once per class if the model
-    would ignore them.
+    """Validate every field of ours on `model.config`; warn once per model type for each field it would ignore.
 
-    The config validates the flag at construction; this catches a value set afterwards, e.g. by
-    `from_pretrained(path, mini_sequence_chunk=...)`, which assigns it to the loaded config.
+    The configs of the supported families validate their fields at construction; this catches a value set
+    afterwards, e.g. by `from_pretrained(path, mini_sequence_chunk=...)`, which assigns it to the loaded config,
+    and any value on a model type whose config has no such field (from_pretrained or config.json).
     """
     config = model.config
     model_type = getattr(config, "model_type", None)
-    adjoint = getattr(config, "adjoint_sharding_chunk", None), getattr(config, "adjoint_truncation", None)
-    validate_adjoint_sharding(*adjoint)
-    if adjoint[0] is not None and model_type not in ADJOINT_MODEL_TYPES:
-        logger.warning_once(
-            f"{type(model).__name__} (model_type={model_type!r}) has no adjoint-sharding path: "
-            f"adjoint_sharding_chunk={adjoint[0]!r} is ignored. It applies to model types {', '.join(ADJOINT_MODEL_TYPES)}."
-        )
-    value = validate_mini_sequence_chunk(getattr(config, "mini_sequence_chunk", None))
-    if value is not None and model_type not in SUPPORTED_MODEL_TYPES + ADJOINT_MODEL_TYPES:
-        logger.warning_once(
-            f"{type(model).__name__} (model_type={config.model_type!r}) has no mini-sequence path: "
-            f"mini_sequence_chunk={value!r} is ignored. It applies to model types "
-            f"{', '.join(SUPPORTED_MODEL_TYPES + ADJOINT_MODEL_TYPES)}."
-        )
-        return
+    validate_fields(config)
+    if any(getattr(config, field, None) is not None for field in CONFIG_FIELDS):
+        model.register_forward_pre_hook(check_forwards_at_first_training_step)
+    for field, model_types in FIELD_MODEL_TYPES.items():
+        value = getattr(config, field, None)
+        if value is not None and model_type not in model_types:
+            # One message per model type and field: `*Model` and `*ForCausalLM` both run post_init.
+            logger.warning_once(
+                f"model_type={model_type!r} has no {field} path: {field}={value!r} is ignored. "
+                f"It applies to model types {', '.join(model_types)}."
+            )
     # A composite model (LLaVA & co) with the flag on its text config: the language model's MLP is
     # split, but the composite's own LM head + loss is upstream's. Say so rather than half-apply it.
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    text_value = getattr(text_config, "mini_sequence_chunk", None)
+    text_value = getattr(text_config, FIELD_NAME, None)
     if text_config is not config and text_value is not None and model_type not in SUPPORTED_MODEL_TYPES:
         logger.warning_once(
             f"{type(model).__name__} (model_type={model_type!r}): text_config.mini_sequence_chunk={text_value!r} "
             f"splits the language model's MLP into mini-sequences, but {type(model).__name__} computes its LM head "
             "and loss upstream's way (full [batch, seq, vocab] logits): only model types "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} chunk the LM head."
+        )
+
+
+def _foreign_forward(module) -> str | None:
+    """Where `module`'s forward comes from when that is not transformers (Liger-Kernel binds its own forward to
+    instances, or replaces the class), else None. Wrappers that still call the original (accelerate's hooks,
+    FSDP2's subclass, our checkpointing wrapper) keep transformers' module name through `functools.wraps`."""
+    forward = inspect.unwrap(module.__dict__.get("forward", type(module).forward))
+    function = getattr(forward, "__func__", forward)
+    where = getattr(function, "__module__", None) or "?"
+    if where.startswith("transformers."):
+        return None
+    return f"{where}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def _replaced_paths(model) -> list[str]:
+    """One line per path of ours that a foreign forward bypasses in `model`."""
+    config = model.config
+    found = []
+    if getattr(config, FIELD_NAME, None) is not None:
+        if hasattr(model, "lm_head") and (where := _foreign_forward(model)):
+            found.append(f"{FIELD_NAME}: the chunked LM head + loss ({type(model).__name__}.forward is {where})")
+        mlps = {_foreign_forward(m): type(m).__name__ for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "mlp"}
+        found += [f"{FIELD_NAME}: the mini-sequence MLP ({name}.forward is {where})" for where, name in mlps.items() if where]
+    if getattr(config, STREAMING_FIELD_NAME, None) is not None:
+        from ..modeling_layers import GradientCheckpointingLayer
+
+        layers = {_foreign_forward(m): type(m).__name__ for m in model.modules() if isinstance(m, GradientCheckpointingLayer)}
+        found += [f"{STREAMING_FIELD_NAME}: streamed layers ({name}.forward is {where})" for where, name in layers.items() if where]
+    if getattr(config, CHUNK_FIELD_NAME, None) is not None:
+        mixers = {_foreign_forward(m): type(m).__name__ for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "mixer"}
+        found += [f"{CHUNK_FIELD_NAME}: the adjoint scan ({name}.forward is {where})" for where, name in mixers.items() if where]
+    return found
+
+
+def check_forwards_at_first_training_step(model, args) -> None:
+    """Forward pre-hook that `check_model` registers on a model with a field of ours set: at the first training
+    forward, warn about each of our paths that a replaced forward bypasses (Liger-Kernel's `use_liger_kernel=True`
+    or `apply_liger_kernel_to_*` replace the MLPs and `*ForCausalLM.forward`, which then never call us), then
+    remove itself (no cost on later steps)."""
+    import torch
+
+    if not (model.training and torch.is_grad_enabled()):
+        return
+    for key in [k for k, hook in model._forward_pre_hooks.items() if hook is check_forwards_at_first_training_step]:
+        del model._forward_pre_hooks[key]
+    for line in _replaced_paths(model):
+        logger.warning_once(
+            f"{line}: that path of transformers-mst does not run, the replacement's does (its memory and its "
+            "gradients, not ours). Remove the replacement (e.g. use_liger_kernel=False) to use ours, or unset the field."
         )
