@@ -209,3 +209,18 @@ def test_streaming_refuses_a_filled_cache():
     model.train()
     with pytest.raises(ValueError, match="past_key_values holds 8 cached tokens"):
         model(input_ids=ids[:, 8:], labels=ids[:, 8:], past_key_values=cache)
+
+
+def test_trl_fused_lm_head_is_not_reported(warnings_seen):
+    """TRL's SFT/DPO trainers bind their own chunked LM head, wrapping the original forward (`functools.wraps`);
+    the MLPs stay ours and one chunked head runs, not two (README, "TRL, PEFT, QLoRA"): nothing to report."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = make_model("llama", mini_sequence_chunk=4)
+    add_fused_lm_head(model)
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    model.train()
+    out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert model.forward.__func__ is not type(model).forward  # replaced
+    out.log_probs.sum().backward()
+    assert "does not run" not in warnings_seen.text

@@ -5,4 +5,4 @@ The installed version is upstream's release plus this label, e.g. ``5.23.0+mst.7
 CHANGELOG.md entry, on every change of what the distribution ships.
 """
 
-LOCAL_VERSION = "mst.7"
+LOCAL_VERSION = "mst.8"

@@ -69,8 +69,8 @@ def check_model(model) -> None:
 
 def _foreign_forward(module) -> str | None:
     """Where `module`'s forward comes from when that is not transformers (Liger-Kernel binds its own forward to
-    instances, or replaces the class), else None. Wrappers that still call the original (accelerate's hooks,
-    FSDP2's subclass, our checkpointing wrapper) keep transformers' module name through `functools.wraps`."""
+    instances, or replaces the class), else None. Wrappers that may call the original (accelerate's hooks, TRL's
+    fused LM head, FSDP2's subclass, our checkpointing wrapper) name it as theirs through `functools.wraps`."""
     forward = inspect.unwrap(module.__dict__.get("forward", type(module).forward))
     function = getattr(forward, "__func__", forward)
     where = getattr(function, "__module__", None) or "?"
