@@ -215,21 +215,25 @@ def compare_steps(trainees, repeats, progress):
 
 def sweep_methods(args, device):
     rows = []
-    steps = len(args.seq) * len(METHODS) * (2 + args.repeats)
+    methods = {name: METHODS[name] for name in args.methods}
+    steps = len(args.seq) * len(methods) * (2 + args.repeats)
     with tqdm(total=steps, desc=f"methods ({args.family})", file=sys.stderr) as progress:
         for seq in args.seq:
-            trainees = {m: trainee(args.family, method, seq, device, args.dtype) for m, method in METHODS.items()}
+            trainees = {m: trainee(args.family, method, seq, device, args.dtype) for m, method in methods.items()}
             for method, r in compare_steps(trainees, args.repeats, progress).items():
                 rows.append({"family": args.family, "seq_len": seq, "method": method, **r})
             del trainees
     for r in rows:
         r["peak_MiB"] = round(r.pop("peak_bytes") / MIB, 1)
+    # Ratios to the reference methods that ran (--methods may leave one out).
     vanilla = {r["seq_len"]: r for r in rows if r["method"] == "vanilla"}
     checkpointing = {r["seq_len"]: r for r in rows if r["method"] == "checkpointing"}
     for r in rows:
-        r["peak_vs_vanilla"] = round(r["peak_MiB"] / vanilla[r["seq_len"]]["peak_MiB"], 3)
-        r["peak_vs_checkpointing"] = round(r["peak_MiB"] / checkpointing[r["seq_len"]]["peak_MiB"], 3)
-        r["time_vs_vanilla"] = round(r["step_time_s"] / vanilla[r["seq_len"]]["step_time_s"], 3)
+        for key, value, refs in (("peak_vs_vanilla", "peak_MiB", vanilla), ("peak_vs_checkpointing", "peak_MiB", checkpointing),
+                                 ("time_vs_vanilla", "step_time_s", vanilla),
+                                 ("time_vs_checkpointing", "step_time_s", checkpointing)):
+            ref = refs.get(r["seq_len"])
+            r[key] = round(r[value] / ref[value], 3) if ref and ref[value] else None
     for r in rows:  # rounded only once every ratio is computed from the full values
         r["step_time_s"] = round(r["step_time_s"], 3)
         r["first_loss"] = round(r["first_loss"], 6)
@@ -552,6 +556,7 @@ def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming", "mamba"])
     parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="for `methods`")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="for `methods`")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), help="for `families`")
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default per sweep)")
     parser.add_argument("--mini-sequences", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="M, for `blocks`")

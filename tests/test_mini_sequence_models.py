@@ -139,6 +139,38 @@ def test_exact_with_gradient_checkpointing(family):
     assert_close(eg, ref_eg, what="inputs_embeds")
 
 
+def tokens_per_projection(model, monkeypatch):
+    """Tokens each projection of the first layer sees in one checkpointed training step, per token of the batch.
+    Counted in `nn.Linear.forward` (class level: a module hook would send the MLP to the wrapper path)."""
+    rows = {}
+    original = torch.nn.Linear.forward
+
+    def counted(linear, x):
+        rows[linear] = rows.get(linear, 0) + x.shape[:-1].numel()
+        return original(linear, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+    model.gradient_checkpointing_enable()
+    input_ids, attention_mask, labels = batch(4)
+    train_step(model, input_ids, attention_mask, labels)
+    layer = model.model.layers[0]
+    projections = {"q_proj": layer.self_attn.q_proj, "o_proj": layer.self_attn.o_proj,
+                   "gate_proj": layer.mlp.gate_proj, "down_proj": layer.mlp.down_proj}
+    return {name: rows[linear] / input_ids.numel() for name, linear in projections.items()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_checkpointing_recomputes_the_mlp_once(family, monkeypatch):
+    """With checkpointing each projection sees each token twice (forward, recompute), flag set or not: the layer's
+    recompute stops before the mini-sequence MLP, whose backward rebuilds its chunks (it ran the MLP a third
+    time). Gemma-2's post-feedforward norm saves the MLP's output, so its recompute needs the MLP: 3 there."""
+    assert tokens_per_projection(make_model(family), monkeypatch) == dict.fromkeys(
+        ("q_proj", "o_proj", "gate_proj", "down_proj"), 2.0)
+    expected_mlp = 3.0 if family == "gemma2" else 2.0
+    assert tokens_per_projection(make_model(family, mini_sequence_chunk=7), monkeypatch) == {
+        "q_proj": 2.0, "o_proj": 2.0, "gate_proj": expected_mlp, "down_proj": expected_mlp}
+
+
 def test_tied_embeddings_exact():
     compare("llama", 7, seed=3, model_kwargs={"tie_word_embeddings": True})
 

@@ -53,14 +53,41 @@ def _forward_chunks(forward_fn, mlp, x, chunk_size):
     return out
 
 
+class _SavedInput(torch.autograd.Function):
+    """Identity that saves its input for `_MiniSequenceMLPFunction`, which reads it from this node
+    (``x.grad_fn.saved_tensors``) instead of saving it itself.
+
+    Why: under non-reentrant activation checkpointing (upstream's `gradient_checkpointing`), the layer's
+    backward recomputes its forward only until every tensor the first forward saved is back, then stops
+    (torch.utils.checkpoint's early stop). A Function's own saved tensors are packed after its forward has
+    run, so the recompute would run the whole chunked MLP forward (whose output nothing needs) before
+    stopping, and the Function's backward then rebuilds every chunk once more: each token through the MLP
+    3 times a step instead of checkpointing's 2. Saved by this node, before the chunked forward, the input
+    is the layer's last saved tensor, and the recompute stops before the MLP (unless a later op of the
+    layer saves the MLP's output, as Gemma-2's post-feedforward norm does)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class _MiniSequenceMLPFunction(torch.autograd.Function):
-    """Inputs: x [..., S, d], the MLP's parameters that require grad (as ``*params`` so that
-    autograd routes their gradients through this Function: hooks of DDP/FSDP/DeepSpeed then
-    fire once per parameter, and non-leaf parameters work)."""
+    """Inputs: x [..., S, d] (the output of `_SavedInput`, which holds it for backward, if it requires grad), the MLP's
+    parameters that require grad (as ``*params`` so that autograd routes their gradients through this
+    Function: hooks of DDP/FSDP/DeepSpeed then fire once per parameter, and non-leaf parameters work)."""
 
     @staticmethod
     def forward(ctx, x, chunk_size, forward_fn, mlp, *params):
-        seq_len = x.shape[-2]
+        if x.requires_grad:
+            ctx.input_node = x.grad_fn  # `_SavedInput`'s node: it holds x
+        else:  # a frozen input (only parameters train): no node before this one to hold it
+            ctx.input_node = ctx
+            ctx.save_for_backward(x)
         ctx.autocast_state = capture_autocast_state(x.device.type)
         # Dropout (e.g. LoRA dropout) must draw the same masks when a chunk is recomputed.
         ctx.rng_state = capture_rng_state(x.device)
@@ -68,18 +95,17 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
         ctx.chunk_size = chunk_size
         ctx.forward_fn = forward_fn
         ctx.mlp = mlp
-        # Only x is saved (it goes through saved-tensor hooks, e.g. activation checkpointing).
+        # Only x is kept, by `_SavedInput` (through saved-tensor hooks, e.g. activation checkpointing).
         # The parameters are held by reference: the recomputation calls the submodules, which
         # use these very tensors, and autograd.grad is taken with respect to them.
         ctx.params = params
-        ctx.save_for_backward(x)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         where = f"mini-sequence {type(ctx.mlp).__name__}"
         refuse_create_graph(where)
-        (x,) = ctx.saved_tensors
+        (x,) = ctx.input_node.saved_tensors
         params = ctx.params
         needs_x = ctx.needs_input_grad[0]
         needs_param = ctx.needs_input_grad[4:]
@@ -142,7 +168,8 @@ def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward
         return torch.cat(chunks, dim=-2)
     if not (hidden_states.requires_grad or params):
         return _forward_chunks(forward_fn, mlp, hidden_states, chunk_size)  # frozen: nothing to keep
-    return _MiniSequenceMLPFunction.apply(hidden_states, chunk_size, forward_fn, mlp, *params)
+    x = _SavedInput.apply(hidden_states) if hidden_states.requires_grad else hidden_states
+    return _MiniSequenceMLPFunction.apply(x, chunk_size, forward_fn, mlp, *params)
 
 
 def _call_module(module, x):
