@@ -900,11 +900,13 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     arguments = dict(bound.arguments)
     extra = dict(arguments.pop("kwargs", {}))
     hidden_states = arguments["hidden_states"]
-    if arguments.get("past_key_values") is not None or arguments.get("use_cache"):
-        # As upstream's gradient checkpointing does: a training step does not fill a cache.
+    # Upstream 5.24 named the layer's cache argument `cache` (`past_key_values` before; still accepted, deprecated).
+    legacy_cache = extra.pop("past_key_values", None)
+    if arguments.get("cache") is not None or legacy_cache is not None or arguments.get("use_cache"):
+        # As upstream's gradient checkpointing does: a training step with gradients does not fill a cache.
         logger.warning_once(
             f"{STREAMING_FIELD_NAME}: caching is incompatible with streaming backward in {cls.__name__}; "
-            "the layer does not update past_key_values."
+            "the layer does not update its cache."
         )
     if "position_ids" in arguments:
         extra["position_ids"] = arguments["position_ids"]
