@@ -45,6 +45,10 @@ def patch_description(patch: Path) -> str:
 def init_stack(tree: Path, pin: core.Pin) -> None:
     """Make `tree` (holding transformers/) a git repo whose first commit is the pristine package."""
     git(tree, "init", "-q")
+    # bytecode from importing or compiling the tree is no edit (make patches would refuse it as one)
+    (tree / ".git" / "info").mkdir(exist_ok=True)
+    with open(tree / ".git" / "info" / "exclude", "a") as f:
+        f.write("__pycache__/\n*.pyc\n")
     git(tree, "add", core.PACKAGE)
     git(tree, "commit", "-q", "-m", f"upstream {pin.name} {pin.version} (pristine)")
     git(tree, "tag", BASE_TAG)
