@@ -464,7 +464,7 @@ def test_no_grad_training_forward_fills_its_cache_as_upstream(checkpointing):
     for value in (None, 3):
         model = make_model("llama", streaming_backward_chunk=value).train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         with torch.no_grad():
             outputs.append(model(input_ids=ids, use_cache=True))
     ref, out = outputs
