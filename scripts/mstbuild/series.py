@@ -154,8 +154,6 @@ def refresh() -> None:
             print(f"patches/upstream.toml: {old.name} {old.version} -> {new.version} (sha256 {new.sha256})")
 
 
-
-
 # ----------------------------------------------------------------------------- rebase
 
 
