@@ -19,7 +19,9 @@ help:
 	@echo "make wheel       build dist/transformers-<version>+mst.N-py3-none-any.whl"
 	@echo "make workspace   work/pristine (upstream) + work/patched (git stack of our patches); FORCE=1 discards work/"
 	@echo "make patches     regenerate patches/*.patch and patches/series from work/patched"
-	@echo "make rebase UPSTREAM=X.Y.Z SHA256=<wheel sha256>   try the series on another upstream release"
+	@echo "make rebase UPSTREAM=X.Y.Z SHA256=<wheel sha256>   the series on another upstream release, in work/;"
+	@echo "                 if all apply: regenerate patches + pin, build, scratch venv, tests (TESTS=..., NOTEST=1,"
+	@echo "                 FORCE=1 discards work/); one report. Rejects: work/rejects/, see docs/rebase.md"
 	@echo "make clean       remove build outputs and work/;  make distclean  also .venv and .cache"
 
 venv: $(VENV)/.ready
@@ -57,7 +59,7 @@ patches: venv
 
 rebase: venv
 	@test -n "$(UPSTREAM)" -a -n "$(SHA256)" || { echo "usage: make rebase UPSTREAM=X.Y.Z SHA256=<sha256 of transformers-X.Y.Z-py3-none-any.whl>"; exit 2; }
-	$(MST) rebase --upstream $(UPSTREAM) --sha256 $(SHA256)
+	$(MST) rebase --upstream $(UPSTREAM) --sha256 $(SHA256) $(if $(FORCE),--force) $(if $(NOTEST),--no-test) $(if $(TESTS),--pytest-args "$(TESTS)")
 
 clean:
 	rm -rf $(WHEEL_DIR) build work .pytest_cache

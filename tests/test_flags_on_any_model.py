@@ -197,7 +197,7 @@ def test_streaming_training_forward_with_default_use_cache(warnings_seen):
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     assert_close(out.loss, reference.loss, what="loss")
-    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 0
+    assert out.cache is not None and out.cache.get_seq_length() == 0
     assert warnings_seen.text == ""
 
 
@@ -205,10 +205,10 @@ def test_streaming_refuses_a_filled_cache():
     ids = torch.randint(1, 128, (1, 16), generator=torch.Generator().manual_seed(6))
     model = make_model("llama", streaming_backward_chunk=5)
     with torch.no_grad():
-        cache = model.eval()(input_ids=ids[:, :8], use_cache=True).past_key_values
+        cache = model.eval()(input_ids=ids[:, :8], use_cache=True).cache
     model.train()
-    with pytest.raises(ValueError, match="past_key_values holds 8 cached tokens"):
-        model(input_ids=ids[:, 8:], labels=ids[:, 8:], past_key_values=cache)
+    with pytest.raises(ValueError, match="holds 8 cached tokens"):
+        model(input_ids=ids[:, 8:], labels=ids[:, 8:], cache=cache)
 
 
 def test_trl_fused_lm_head_is_not_reported(warnings_seen):

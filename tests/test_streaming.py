@@ -455,6 +455,24 @@ def test_no_grad_training_mode_runs_upstream(monkeypatch):
         model(input_ids=torch.ones(1, 12, dtype=torch.long))
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_no_grad_training_forward_fills_its_cache_as_upstream(checkpointing):
+    """Upstream 5.24: without gradients nothing is checkpointed and the layers fill the cache, even in training
+    mode (e.g. generating from a model being trained). Streaming applies exactly where a backward follows."""
+    ids = batch(11)[0]
+    outputs = []
+    for value in (None, 3):
+        model = make_model("llama", streaming_backward_chunk=value).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        with torch.no_grad():
+            outputs.append(model(input_ids=ids, use_cache=True))
+    ref, out = outputs
+    assert ref.cache is not None and ref.cache.get_seq_length() == ids.shape[1]
+    assert out.cache.get_seq_length() == ids.shape[1]
+    assert torch.equal(out.logits, ref.logits)
+
+
 # ----------------------------------------------------------------------------- errors
 
 

@@ -13,9 +13,13 @@ def main(argv=None) -> int:
     ws = sub.add_parser("workspace", help="materialize work/pristine and work/patched (git patch stack)")
     ws.add_argument("--force", action="store_true", help="discard an existing work/ directory")
     sub.add_parser("patches", help="regenerate patches/*.patch and patches/series from work/patched")
-    rb = sub.add_parser("rebase", help="apply the series to another upstream release; refresh only if all apply")
+    rb = sub.add_parser("rebase", help="rebuild work/ on another upstream release; if all patches apply, "
+                        "regenerate the series and pin, build, install into a scratch venv, test; one report")
     rb.add_argument("--upstream", required=True, help="upstream version, e.g. 5.22.0")
     rb.add_argument("--sha256", required=True, help="sha256 of that release's py3-none-any wheel")
+    rb.add_argument("--force", action="store_true", help="discard an existing work/ directory")
+    rb.add_argument("--no-test", action="store_true", help="stop after regenerating the series (no build, no tests)")
+    rb.add_argument("--pytest-args", default="tests", help="what pytest runs (default: tests)")
     args = parser.parse_args(argv)
     try:
         if args.command == "fetch":
@@ -25,7 +29,9 @@ def main(argv=None) -> int:
         elif args.command == "patches":
             series.refresh()
         elif args.command == "rebase":
-            return 0 if series.rebase(args.upstream, args.sha256) else 1
+            ok = series.rebase(args.upstream, args.sha256, force=args.force, test=not args.no_test,
+                               pytest_args=args.pytest_args.split())
+            return 0 if ok else 1
     except core.BuildError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

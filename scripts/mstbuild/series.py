@@ -2,21 +2,30 @@
 
 `workspace`: work/pristine/ holds upstream's package untouched; work/patched/ is a git
 repository whose first commit (tag `pristine`) is upstream and whose following commits
-are our patches, one per commit, the commit subject being the patch name.
-`patches`: writes each commit after `pristine` back to patches/NNNN-topic.patch and
-rewrites patches/series. `rebase`: the same stack rebuilt on another upstream release.
+are our patches, one per commit, the commit subject being the patch name; work/upstream.toml
+names the release the stack is built on.
+`patches`: writes each commit after `pristine` back to patches/NNNN-topic.patch, rewrites
+patches/series, and pins the stack's release in patches/upstream.toml.
+`rebase`: the same stack built on another upstream release (fuzz allowed, rejected hunks saved
+in work/rejects/); if every patch applies, the series is regenerated against that release, the
+pin rewritten, and the result built, installed into a scratch venv and tested. See docs/rebase.md.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from . import core
 
 WORK = core.ROOT / "work"
+REJECTS = WORK / "rejects"
+WORK_PIN = WORK / "upstream.toml"  # the release work/ is built on; `make patches` pins it
 CACHE = core.ROOT / ".cache" / "upstream"
 BASE_TAG = "pristine"
 
@@ -36,15 +45,20 @@ def patch_description(patch: Path) -> str:
 def init_stack(tree: Path, pin: core.Pin) -> None:
     """Make `tree` (holding transformers/) a git repo whose first commit is the pristine package."""
     git(tree, "init", "-q")
+    # bytecode from importing or compiling the tree is no edit (make patches would refuse it as one)
+    (tree / ".git" / "info").mkdir(exist_ok=True)
+    with open(tree / ".git" / "info" / "exclude", "a") as f:
+        f.write("__pycache__/\n*.pyc\n")
     git(tree, "add", core.PACKAGE)
     git(tree, "commit", "-q", "-m", f"upstream {pin.name} {pin.version} (pristine)")
     git(tree, "tag", BASE_TAG)
 
 
-def commit_patch(tree: Path, patch: Path) -> None:
+def commit_patch(tree: Path, patch: Path, allow_empty: bool = False) -> None:
     git(tree, "add", "-A", core.PACKAGE)
     description = patch_description(patch)
-    git(tree, "commit", "-q", "-m", patch.stem + (f"\n\n{description}" if description else ""))
+    git(tree, "commit", "-q", *(["--allow-empty"] if allow_empty else []),
+        "-m", patch.stem + (f"\n\n{description}" if description else ""))
 
 
 def export_series(repo: Path, patches_dir: Path = core.PATCHES) -> list[str]:
@@ -84,21 +98,33 @@ def cached_wheel(pin: core.Pin) -> Path:
     return core.fetch_wheel(pin, CACHE)
 
 
-def workspace(force: bool = False) -> None:
-    pin = core.Pin.load()
+def clear_work(force: bool) -> None:
     if WORK.exists():
         if not force:
             raise core.BuildError(f"{WORK} exists. Save your edits with `make patches`, or discard them with FORCE=1.")
         shutil.rmtree(WORK)
-    patches = core.read_series()
-    wheel = cached_wheel(pin)
+
+
+def new_stack(wheel: Path, pin: core.Pin) -> Path:
+    """work/pristine + work/patched (a git repo, tag `pristine`) from `wheel`; work/upstream.toml names `pin`."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = core.unpack_wheel(wheel, Path(tmp))
         WORK.mkdir()
         shutil.copytree(tree / core.PACKAGE, WORK / "pristine" / core.PACKAGE)
         shutil.copytree(tree / core.PACKAGE, WORK / "patched" / core.PACKAGE)
+    WORK_PIN.write_text("# The upstream release work/ is built on; `make patches` pins it in patches/upstream.toml.\n")
+    pin.save(WORK_PIN)
     patched = WORK / "patched"
     init_stack(patched, pin)
+    return patched
+
+
+def workspace(force: bool = False) -> None:
+    pin = core.Pin.load()
+    patches = core.read_series()
+    wheel = cached_wheel(pin)
+    clear_work(force)
+    patched = new_stack(wheel, pin)
     for patch in patches:
         core.apply_series_strict(patched, [patch])
         commit_patch(patched, patch)
@@ -110,39 +136,143 @@ def refresh() -> None:
     repo = WORK / "patched"
     if not (repo / ".git").is_dir():
         raise core.BuildError("no work/patched/ repository; run `make workspace` first")
+    pending = sorted(REJECTS.glob("*.rej")) if REJECTS.is_dir() else []
+    if pending:
+        raise core.BuildError(
+            "unresolved rejects: " + ", ".join(str(p.relative_to(core.ROOT)) for p in pending) + ".\n"
+            "Apply their hunks in work/patched, fold the fix into that patch's commit, delete the .rej file, "
+            "then run `make patches` again (docs/rebase.md)."
+        )
     names = export_series(repo)
     print(f"wrote {len(names)} patches to patches/ and patches/series:")
     for name in names:
         print(f"  {name}")
+    if WORK_PIN.is_file():
+        old, new = core.Pin.load(), core.Pin.load(WORK_PIN)
+        if new != old:
+            new.save()
+            print(f"patches/upstream.toml: {old.name} {old.version} -> {new.version} (sha256 {new.sha256})")
 
 
-def rebase(version: str, sha256: str) -> bool:
-    """Try the series on another upstream release; refresh patches and pin only if all apply."""
+# ----------------------------------------------------------------------------- rebase
+
+
+def apply_onto(patched: Path, patches: list[Path]) -> list[core.PatchResult]:
+    """Apply each patch with fuzz to the stack, one commit each. A rejected patch is committed with the
+    hunks that applied and its rejected hunks saved as work/rejects/<patch>.rej, so the stack keeps
+    every patch in order and the fix is folded into that patch's commit."""
+    results = []
+    for patch in patches:
+        result = core.apply_patch(patched, patch, fuzz=2)
+        if result.status == "rejected":
+            REJECTS.mkdir(exist_ok=True)
+            (REJECTS / f"{patch.stem}.rej").write_text(result.rejects)
+        commit_patch(patched, patch, allow_empty=result.status == "rejected")
+        results.append(result)
+    return results
+
+
+def patch_report(results: list[core.PatchResult]) -> str:
+    """Per patch: applied / offset / fuzz / rejected, with GNU patch's own details, then the counts."""
+    lines = []
+    for result in results:
+        lines.append(result.describe())
+        if result.status == "rejected":
+            lines.append(f"    rejected hunks saved in work/rejects/{Path(result.patch).stem}.rej")
+    counts = {s: sum(r.status == s for r in results) for s in ("applied", "offset", "fuzz", "rejected")}
+    lines.append(
+        f"patches: {len(results)}: {counts['applied']} applied cleanly, {counts['offset']} with offset, "
+        f"{counts['fuzz']} with fuzz, {counts['rejected']} rejected"
+    )
+    return "\n".join(lines)
+
+
+def pytest_summary(output: str) -> str:
+    """pytest's final summary line ("12 passed, 1 skipped in 3.4s"), without its ==== frame."""
+    for line in reversed(output.strip().splitlines()):
+        line = line.strip().strip("=").strip()
+        if re.search(r"\b(passed|failed|errors?|skipped|deselected|no tests ran)\b.* in [\d.]+s", line):
+            return line
+    return "no pytest summary found"
+
+
+def verify(wheel: Path, pytest_args: list[str], log: Path) -> tuple[bool, list[str]]:
+    """Build our wheel, install it into a fresh scratch venv (work/venv) with the test requirements,
+    `pip check`, run pytest. Each step's output goes to `log`; returns (passed, report lines)."""
+    venv = WORK / "venv"
+    py = venv / "bin" / "python"
+    env = dict(os.environ, **{core.WHEEL_ENV: str(wheel)})
+    lines: list[str] = []
+    with open(log, "w") as out:
+
+        def step(title: str, cmd: list[str]) -> subprocess.CompletedProcess:
+            print(f"[rebase] {title} (log: {log.relative_to(core.ROOT)})", file=sys.stderr, flush=True)
+            out.write(f"\n$ {' '.join(map(str, cmd))}\n")
+            out.flush()
+            result = subprocess.run(cmd, cwd=core.ROOT, env=env, capture_output=True, text=True)
+            out.write(result.stdout + result.stderr)
+            out.flush()
+            return result
+
+        setup = [
+            ("scratch venv", [sys.executable, "-m", "venv", str(venv)]),
+            ("build requirements", [str(py), "-m", "pip", "install", "--quiet", "-r", "requirements-dev.txt"]),
+            ("build", [str(py), "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                       "-w", str(WORK / "dist"), "."]),
+        ]
+        for title, cmd in setup:
+            if step(title, cmd).returncode != 0:
+                return False, [f"{title}: FAILED (see {log.relative_to(core.ROOT)})"]
+        (built,) = (WORK / "dist").glob("transformers-*.whl")
+        lines.append(f"build: {built.name}")
+        install = [str(py), "-m", "pip", "install", "--quiet", str(built), "-r", "requirements-test.txt"]
+        if step("install", install).returncode != 0:
+            return False, lines + [f"install: FAILED (see {log.relative_to(core.ROOT)})"]
+        check = step("pip check", [str(py), "-m", "pip", "check"])
+        lines.append("pip check: " + ("clean" if check.returncode == 0 else "FAILED: " + check.stdout.strip()))
+        tests = step(f"pytest {' '.join(pytest_args)}", [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args])
+        lines.append(f"tests (pytest {' '.join(pytest_args)}): {pytest_summary(tests.stdout)}"
+                     + ("" if tests.returncode == 0 else f"  FAILED, see {log.relative_to(core.ROOT)}"))
+    return check.returncode == 0 and tests.returncode == 0, lines
+
+
+def rebase(version: str, sha256: str, force: bool = False, test: bool = True,
+           pytest_args: list[str] | None = None) -> bool:
+    """Rebuild the stack in work/ on another upstream release and print one report.
+
+    All patches apply (fuzz allowed): patches/ is regenerated against the release (exact, no offset or
+    fuzz left), the pin rewritten, and, unless `test` is False, the wheel built, installed into a scratch
+    venv and tested. Some rejected: patches/ and the pin are unchanged; work/ holds the stack with the
+    rejected hunks in work/rejects/ for `make patches` once they are resolved (docs/rebase.md).
+    """
     old = core.Pin.load()
     new = core.Pin(old.name, version, f"{old.name}-{version}-py3-none-any.whl", sha256)
     patches = core.read_series()
     wheel = cached_wheel(new)
-    print(f"rebasing {len(patches)} patches from {old.name} {old.version} onto {version}")
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = core.unpack_wheel(wheel, Path(tmp))
-        init_stack(tree, new)
-        results = []
-        for patch in patches:
-            result = core.apply_patch(tree, patch, fuzz=2)
-            results.append(result)
-            print(result.describe())
-            if result.status != "rejected":
-                commit_patch(tree, patch)
-            else:  # keep going to report every patch, on a clean tree
-                git(tree, "reset", "-q", "--hard")
-                git(tree, "clean", "-qfd")
-        rejected = [r.patch for r in results if r.status == "rejected"]
-        if rejected:
-            print(f"\n{len(rejected)} of {len(patches)} patches rejected ({', '.join(rejected)}); "
-                  "patches/ and the pin are unchanged.")
-            return False
-        export_series(tree)
-    new.save()
-    print(f"\nall patches apply; patches/ regenerated against {version} and patches/upstream.toml updated.\n"
-          "Build and run `make test`, then add a CHANGELOG.md entry.")
-    return True
+    clear_work(force)
+    print(f"[rebase] applying {len(patches)} patches onto {old.name} {version} in work/patched", file=sys.stderr)
+    results = apply_onto(new_stack(wheel, new), patches)
+
+    report = [f"rebase report: {old.name} {old.version} -> {version}", patch_report(results)]
+    rejected = [r.patch for r in results if r.status == "rejected"]
+    ok = not rejected
+    if rejected:
+        report += [
+            f"{len(rejected)} rejected: patches/ and patches/upstream.toml are unchanged.",
+            "work/patched holds the stack on the new release (a rejected patch's commit has the hunks that "
+            "applied); resolve each work/rejects/*.rej there, then `make patches` (docs/rebase.md).",
+            "tests: not run",
+        ]
+    else:
+        export_series(WORK / "patched")
+        new.save()
+        report.append(f"patches/ regenerated against {version} (exact); patches/upstream.toml pins {version}")
+        if test:
+            ok, lines = verify(wheel, pytest_args or ["tests"], WORK / "rebase.log")
+            report += lines
+        else:
+            report.append("tests: not run (--no-test)")
+        if ok:
+            report.append("Next: bump src/transformers/_mst_version.py and add a CHANGELOG.md entry.")
+    print("\n".join(report))
+    return ok

@@ -1,6 +1,6 @@
 """Local version label of this transformers-mst build.
 
-The installed version is upstream's release plus this label, e.g. ``5.23.0+mst.7``
+The installed version is upstream's release plus this label, e.g. ``5.24.0+mst.8``
 (patch ``0001-version-string`` appends it to ``transformers.__version__``). Bump it, with a
 CHANGELOG.md entry, on every change of what the distribution ships.
 """

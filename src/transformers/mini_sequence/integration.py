@@ -68,7 +68,7 @@ def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalL
 
     Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
     num_items_in_batch) and, for Gemma-2, `final_logit_softcapping` applied per chunk. The result
-    is `output_class` with the base model's other outputs (past_key_values or cache_params,
+    is `output_class` with the base model's other outputs (its `cache`,
     hidden_states, attentions); a tuple `(loss, None, *outputs[1:])` when the base model returned a
     tuple (Mamba with `return_dict=False`), where upstream puts the logits second.
     """

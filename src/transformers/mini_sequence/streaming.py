@@ -887,16 +887,16 @@ def _offload_requested(layer) -> bool:
 
 
 def _check_cache_is_empty(layer, cache) -> None:
-    """A streamed layer neither reads nor fills `past_key_values`, as under upstream's gradient checkpointing, which
+    """A streamed layer neither reads nor fills the cache (`past_key_values`), as under upstream's gradient checkpointing, which
     streaming replaces: a training forward with the default `use_cache=True` returns the (empty) cache the model
     made, without the whole sequence's keys and values (their memory is what streaming saves). Cached tokens
     from an earlier call would be silently not attended to: refused."""
     cached = cache.get_seq_length(layer.self_attn.layer_idx) if cache is not None else 0
     if cached:
         raise ValueError(
-            f"{STREAMING_FIELD_NAME}: past_key_values holds {cached} cached tokens, which a streamed layer cannot "
-            "attend to (streamed training forwards neither read nor fill a cache). Train without past_key_values, "
-            "or unset the field."
+            f"{STREAMING_FIELD_NAME}: the cache passed (`cache` / `past_key_values`) holds {cached} cached tokens, "
+            "which a streamed layer cannot attend to (streamed training forwards neither read nor fill a cache). "
+            "Train without a cache, or unset the field."
         )
 
 
@@ -912,7 +912,9 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
             f"{STREAMING_FIELD_NAME}: the batch is empty (hidden_states of shape {tuple(hidden_states.shape)}); "
             "a training step needs at least one sequence of at least one token."
         )
-    _check_cache_is_empty(layer, arguments.get("past_key_values"))
+    # Upstream 5.24 named the layer's cache argument `cache` (`past_key_values` before; still accepted, deprecated).
+    legacy_cache = extra.pop("past_key_values", None)
+    _check_cache_is_empty(layer, arguments.get("cache") if arguments.get("cache") is not None else legacy_cache)
     if "position_ids" in arguments:
         extra["position_ids"] = arguments["position_ids"]
     _check_attention_hooks(layer.self_attn)

@@ -84,7 +84,7 @@ class UlyssesMask:
                     config=config,
                     inputs_embeds=shape_only,
                     attention_mask=padding,
-                    past_key_values=None,
+                    cache=None,
                     position_ids=position_ids,
                 )
             finally:
@@ -109,7 +109,7 @@ def _ulysses_mask_function(original):
         q_length, kv_length = kwargs["q_length"], kwargs["kv_length"]
         if kwargs.get("q_offset", 0) != 0 or kwargs.get("kv_offset", 0) != 0 or kv_length != q_length:
             raise ValueError(
-                "Ulysses sequence parallelism: a key/value cache (past_key_values) is not supported while "
+                "Ulysses sequence parallelism: a key/value cache is not supported while "
                 "training with sp_size > 1"
             )
         return UlyssesMask(kwargs.get("attention_mask"), q_length)
