@@ -79,23 +79,31 @@ def _foreign_forward(module) -> str | None:
     return f"{where}.{getattr(function, '__qualname__', repr(function))}"
 
 
+def _bypassed(what: str, modules) -> list[str]:
+    """One line per foreign forward among `modules` (one per source: all MLPs replaced alike make one line)."""
+    sources = {_foreign_forward(module): type(module).__name__ for module in modules}
+    return [f"{what} ({name}.forward is {where})" for where, name in sources.items() if where]
+
+
+def _named(model, attribute: str):
+    return [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == attribute]
+
+
 def _replaced_paths(model) -> list[str]:
     """One line per path of ours that a foreign forward bypasses in `model`."""
+    from ..modeling_layers import GradientCheckpointingLayer
+
     config = model.config
     found = []
     if getattr(config, FIELD_NAME, None) is not None:
-        if hasattr(model, "lm_head") and (where := _foreign_forward(model)):
-            found.append(f"{FIELD_NAME}: the chunked LM head + loss ({type(model).__name__}.forward is {where})")
-        mlps = {_foreign_forward(m): type(m).__name__ for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "mlp"}
-        found += [f"{FIELD_NAME}: the mini-sequence MLP ({name}.forward is {where})" for where, name in mlps.items() if where]
+        if hasattr(model, "lm_head"):
+            found += _bypassed(f"{FIELD_NAME}: the chunked LM head + loss", [model])
+        found += _bypassed(f"{FIELD_NAME}: the mini-sequence MLP", _named(model, "mlp"))
     if getattr(config, STREAMING_FIELD_NAME, None) is not None:
-        from ..modeling_layers import GradientCheckpointingLayer
-
-        layers = {_foreign_forward(m): type(m).__name__ for m in model.modules() if isinstance(m, GradientCheckpointingLayer)}
-        found += [f"{STREAMING_FIELD_NAME}: streamed layers ({name}.forward is {where})" for where, name in layers.items() if where]
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        found += _bypassed(f"{STREAMING_FIELD_NAME}: streamed layers", layers)
     if getattr(config, CHUNK_FIELD_NAME, None) is not None:
-        mixers = {_foreign_forward(m): type(m).__name__ for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "mixer"}
-        found += [f"{CHUNK_FIELD_NAME}: the adjoint scan ({name}.forward is {where})" for where, name in mixers.items() if where]
+        found += _bypassed(f"{CHUNK_FIELD_NAME}: the adjoint scan", _named(model, "mixer"))
     return found
 
 
