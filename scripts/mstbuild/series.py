@@ -203,15 +203,20 @@ def verify(wheel: Path, pytest_args: list[str], log: Path) -> tuple[bool, list[s
     py = venv / "bin" / "python"
     env = dict(os.environ, **{core.WHEEL_ENV: str(wheel)})
     lines: list[str] = []
-    with open(log, "w") as out:
+    log.write_text("")
+    with open(log, "a") as out:  # appending: our lines and the commands' output go where the file ends
 
         def step(title: str, cmd: list[str]) -> subprocess.CompletedProcess:
+            """Run `cmd`, its output going to the log as it comes (follow a long test run with tail -f)."""
             print(f"[rebase] {title} (log: {log.relative_to(core.ROOT)})", file=sys.stderr, flush=True)
             out.write(f"\n$ {' '.join(map(str, cmd))}\n")
             out.flush()
-            result = subprocess.run(cmd, cwd=core.ROOT, env=env, capture_output=True, text=True)
-            out.write(result.stdout + result.stderr)
+            start = log.stat().st_size
+            result = subprocess.run(cmd, cwd=core.ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
             out.flush()
+            with open(log, "rb") as written:
+                written.seek(start)
+                result.stdout = written.read().decode(errors="replace")
             return result
 
         setup = [
