@@ -83,9 +83,9 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, chunk_size, forward_fn, mlp, *params):
-        if x.requires_grad:
+        if isinstance(x.grad_fn, _SavedInput._backward_cls):
             ctx.input_node = x.grad_fn  # `_SavedInput`'s node: it holds x
-        else:  # a frozen input (only parameters train): no node before this one to hold it
+        else:  # a frozen input (only parameters train), or a caller without `_SavedInput`: hold x here
             ctx.input_node = ctx
             ctx.save_for_backward(x)
         ctx.autocast_state = capture_autocast_state(x.device.type)
