@@ -1,11 +1,12 @@
-"""Train a small Llama on long sequences of real text, with and without mini-sequences.
+"""Train a small Llama on long sequences of real text: upstream, mini-sequences, and mini-sequences + streaming.
 
 The text is the Python standard library's own source (every machine has it), tokenized by a
 byte-level BPE tokenizer trained on it with `tokenizers` (32K vocabulary, so the LM head
 matters; trained once and cached under .cache/demo/). From the same initial weights and on the
-same batches, a few AdamW steps run with `mini_sequence_chunk` unset (upstream) and set
-("auto" by default), one step of each in turn so that a busy machine slows both alike. It
-prints the per-step losses side by side (they must agree to 1e-4 relative, else it exits 1),
+same batches, a few AdamW steps run with our flags unset (upstream), with `mini_sequence_chunk`
+("auto" by default), and with `mini_sequence_chunk` and `streaming_backward_chunk` ("auto" by default;
+`--streaming-chunk off` leaves this run out), one step of each in turn so that a busy machine slows all
+alike. It prints the per-step losses side by side (each must agree with upstream's to 1e-4 relative, else it exits 1),
 the peak memory and the time of each step, a summary, and saves a plot (out/demo.png, ignored
 by git so that a run leaves the checkout clean; `--plot docs/demo.png` replaces the committed one).
 With --model PATH it trains that local checkpoint instead, with its own tokenizer.
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 # Only the validation helper here: it does not import torch, so bad arguments fail fast.
-from transformers.mini_sequence import validate_mini_sequence_chunk
+from transformers.mini_sequence import validate_mini_sequence_chunk, validate_streaming_backward_chunk
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -40,6 +41,9 @@ def parse_args(argv):
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default 8192)")
     parser.add_argument("--steps", type=int, default=3, help="AdamW steps per run (default 3)")
     parser.add_argument("--chunk", default="auto", help='mini_sequence_chunk of the second run: "auto" (default) or a positive int')
+    parser.add_argument("--streaming-chunk", default="auto",
+                        help='streaming_backward_chunk of the third run (with --chunk): "auto" (default), a positive '
+                             'int, or "off" (no third run)')
     parser.add_argument("--vocab-size", type=int, default=32000, help="BPE vocabulary of the default model (default 32000)")
     parser.add_argument("--hidden-size", type=int, default=256,
                         help="d of the default model (default 256; I = 4d, d/64 heads, untied LM head)")
@@ -57,6 +61,13 @@ def parse_args(argv):
         args.chunk = validate_mini_sequence_chunk(chunk)
     except ValueError:
         parser.error(f'--chunk: invalid value {args.chunk!r}: expected "auto" or a positive integer')
+    try:
+        value = args.streaming_chunk
+        streaming = None if value == "off" else value if value == "auto" else int(value)
+        args.streaming_chunk = validate_streaming_backward_chunk(streaming)
+    except ValueError:
+        parser.error(f'--streaming-chunk: invalid value {args.streaming_chunk!r}: expected "auto", a positive integer '
+                     'or "off"')
     if args.seq_len < 2:
         parser.error(f"--seq-len must be >= 2 (the loss predicts each next token), got {args.seq_len}")
     if args.steps < 1:
@@ -147,7 +158,8 @@ def load_tokens(args, sources, needed):
 
 
 def build_models(args, vocab_size):
-    """(model with the flag off, model with it on), float32, with identical weights."""
+    """{label: model}: flags off, mini-sequences, and mini-sequences + streaming (unless --streaming-chunk off),
+    float32, with identical weights."""
     import torch
 
     import transformers
@@ -159,18 +171,21 @@ def build_models(args, vocab_size):
             max_position_embeddings=max(args.seq_len, 2048), tie_word_embeddings=False,
         )
 
-        def load(chunk):
+        def load(**flags):
             torch.manual_seed(args.seed)
-            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config.to_dict(), "mini_sequence_chunk": chunk}))
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config.to_dict(), **flags}))
     else:
-        def load(chunk):
+        def load(**flags):
             torch.manual_seed(args.seed)  # for weights the checkpoint lacks, if any
-            return transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, mini_sequence_chunk=chunk)
+            return transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **flags)
 
-    off = load(None)
-    on = load(args.chunk)
-    on.load_state_dict(off.state_dict())  # the SAME initial weights, whatever from_pretrained/init did
-    return off, on
+    on_label = '"auto"' if args.chunk == "auto" else f"chunk={args.chunk}"
+    models = {"flag off": load(), on_label: load(mini_sequence_chunk=args.chunk)}
+    if args.streaming_chunk is not None:
+        models[f"{on_label} + streaming"] = load(mini_sequence_chunk=args.chunk, streaming_backward_chunk=args.streaming_chunk)
+    for model in models.values():
+        model.load_state_dict(models["flag off"].state_dict())  # the SAME initial weights, whatever init did
+    return models
 
 
 def training_step(model, optimizer, ids, device):
@@ -224,9 +239,10 @@ def plot(path, runs, title):
     import matplotlib.pyplot as plt
 
     labels = list(runs)
-    colors = ["tab:blue", "tab:orange"]
-    fig, (ax_loss, ax_mem, ax_time) = plt.subplots(1, 3, figsize=(13, 4), gridspec_kw={"width_ratios": [1.5, 1, 1]})
-    for (label, records), color, style in zip(runs.items(), colors, [dict(marker="o", lw=3, ms=9), dict(marker="x", ls="--", ms=9)]):
+    colors = ["tab:blue", "tab:orange", "tab:green"]
+    styles = [dict(marker="o", lw=4, ms=11), dict(marker="x", ls="--", lw=2, ms=9), dict(marker="+", ls=":", lw=2, ms=12)]
+    fig, (ax_loss, ax_mem, ax_time) = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    for (label, records), color, style in zip(runs.items(), colors, styles):
         ax_loss.plot(range(1, len(records) + 1), [r["loss"] for r in records], color=color, label=label, **style)
     ax_loss.set(xlabel="step", ylabel="training loss", title="loss per step (same weights, same batches)")
     ax_loss.xaxis.get_major_locator().set_params(integer=True)
@@ -235,10 +251,10 @@ def plot(path, runs, title):
         (ax_mem, [max(r["peak"] for r in runs[k]) / MIB for k in labels], "MiB", "peak memory of a training step"),
         (ax_time, [median(r["seconds"] for r in runs[k]) for k in labels], "s", "step time (median)"),
     ):
-        bars = ax.bar(labels, values, color=colors)
+        bars = ax.bar([label.replace(" + ", "\n+ ") for label in labels], values, color=colors[:len(labels)])
         texts = [f"{v:.0f}" if unit == "MiB" or v >= 10 else f"{v:.2f}" for v in values]
-        texts[1] += f"  ({values[1] / values[0]:.2f}x)" if values[0] else ""
-        ax.bar_label(bars, labels=texts)
+        texts[1:] = [f"{t}\n({v / values[0]:.2f}x)" if values[0] else t for t, v in zip(texts[1:], values[1:])]
+        ax.bar_label(bars, labels=texts, fontsize=8)
         ax.set(ylabel=unit, title=title_)
         ax.margins(y=0.15)
     fig.suptitle(title, fontsize=9)
@@ -268,53 +284,58 @@ def main(argv=None):
         print(f"error: {sum(map(len, sources))} characters of stdlib source give {len(ids)} tokens, {needed} are "
               f"needed (--steps x --seq-len); raise --max-chars", file=sys.stderr)
         return 2
-    model_off, model_on = build_models(args, vocab_size)
+    models = build_models(args, vocab_size)
+    model_off = models["flag off"]
     batches = [torch.tensor(ids[i * args.seq_len:(i + 1) * args.seq_len]).unsqueeze(0) for i in range(args.steps)]
 
-    on_label = '"auto"' if args.chunk == "auto" else f"chunk={args.chunk}"
     params = sum(p.numel() for p in model_off.parameters())
     cfg = model_off.config
     print(f"model: {type(model_off).__name__}, {params / 1e6:.1f}M parameters (d={cfg.hidden_size}, "
           f"I={cfg.intermediate_size}, {cfg.num_hidden_layers} layers, vocabulary {cfg.vocab_size}), float32, "
           f"device {device}, transformers {transformers.__version__}")
+    streamed = "" if args.streaming_chunk is None else f" and + streaming_backward_chunk={args.streaming_chunk!r}"
     print(f"data: {args.steps} batches of 1 x {args.seq_len} tokens of stdlib source; AdamW lr={args.lr}; "
-          f"flag off vs mini_sequence_chunk={args.chunk!r}, one step of each in turn", flush=True)
+          f"flags off vs mini_sequence_chunk={args.chunk!r}{streamed}, one step of each in turn", flush=True)
 
-    runs = {"flag off": [], on_label: []}
-    arms = [("flag off", model_off), (on_label, model_on)]
+    runs = {label: [] for label in models}
     optimizers = {}
-    for label, model in arms:
+    for label, model in models.items():
         model.to(device).train()
         optimizers[label] = torch.optim.AdamW(model.parameters(), lr=args.lr)
     train_start = time.perf_counter()
-    with tqdm(total=2 * args.steps, desc="training", unit="step", file=sys.stderr) as bar:
+    with tqdm(total=len(models) * args.steps, desc="training", unit="step", file=sys.stderr) as bar:
         for i, batch in enumerate(batches):
             batch = batch.to(device)
-            for label, model in arms:
+            for label, model in models.items():
                 bar.set_postfix_str(f"step {i + 1}/{args.steps}, {label}")
                 runs[label].append(measured_step(model, optimizers[label], batch, device, args.seed + i))
                 bar.update()
     train_seconds = time.perf_counter() - train_start
 
-    off, on = runs["flag off"], runs[on_label]
-    print(f"\n{'step':>4}  {'loss flag off':>14}  {'loss ' + on_label:>16}  {'rel. diff':>9}  "
-          f"{'time off (s)':>12}  {'time ' + on_label + ' (s)':>16}")
+    labels = list(runs)
+    off = runs["flag off"]
+    width = max(map(len, labels)) + 7  # "loss <label>" and two spaces
+    print("\n" + f"{'step':>4}" + "".join(f"{'loss ' + label:>{width}}" for label in labels)
+          + f"{'max rel. diff':>15}" + "".join(f"{'time ' + label + ' (s)':>{width + 4}}" for label in labels))
     worst = 0.0
-    for i, (a, b) in enumerate(zip(off, on), 1):
-        diff = abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12)
+    for i in range(args.steps):
+        losses = [runs[label][i]["loss"] for label in labels]
+        diff = max(abs(loss - losses[0]) / max(abs(losses[0]), 1e-12) for loss in losses[1:])
         worst = diff if math.isnan(diff) else max(worst, diff)
-        print(f"{i:>4}  {a['loss']:>14.6f}  {b['loss']:>16.6f}  {diff:>9.1e}  {a['seconds']:>12.2f}  {b['seconds']:>16.2f}")
+        print(f"{i + 1:>4}" + "".join(f"{loss:>{width}.6f}" for loss in losses) + f"{diff:>15.1e}"
+              + "".join(f"{runs[label][i]['seconds']:>{width + 4}.2f}" for label in labels))
     ok = worst <= TOLERANCE  # False for NaN too
     print(f"max relative loss difference: {worst:.1e} ({'OK' if ok else 'FAIL'}, tolerance {TOLERANCE:.0e})")
 
     where = "CUDA allocator" if device.type == "cuda" else "CPU live tensor bytes + weights + AdamW states"
-    print(f"\n{'method':<16}{'peak (MiB)':>12}{'step time (s)':>16}{'final loss':>12}")
+    print(f"\n{'method':<{width}}{'peak (MiB)':>12}{'step time (s)':>16}{'final loss':>12}")
     for label, records in runs.items():
-        print(f"{label:<16}{max(r['peak'] for r in records) / MIB:>12.1f}"
+        print(f"{label:<{width}}{max(r['peak'] for r in records) / MIB:>12.1f}"
               f"{median(r['seconds'] for r in records):>16.2f}{records[-1]['loss']:>12.4f}")
-    peak_ratio = max(r["peak"] for r in on) / max(r["peak"] for r in off)
-    time_ratio = median(r["seconds"] for r in on) / median(r["seconds"] for r in off)
-    print(f"peak ratio {on_label}/off: {peak_ratio:.3f}   step time ratio {on_label}/off: {time_ratio:.2f}")
+    for label in labels[1:]:
+        peak_ratio = max(r["peak"] for r in runs[label]) / max(r["peak"] for r in off)
+        time_ratio = median(r["seconds"] for r in runs[label]) / median(r["seconds"] for r in off)
+        print(f"peak ratio {label}/off: {peak_ratio:.3f}   step time ratio {label}/off: {time_ratio:.2f}")
     print(f"(peak: max over steps, {where}; step time: median of {args.steps} step(s))")
 
     plot(args.plot, runs, f"{type(model_off).__name__}, {params / 1e6:.1f}M parameters, {args.seq_len}-token "

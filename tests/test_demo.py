@@ -18,10 +18,10 @@ def run_py(args):
     return _run_py(args, env_extra={"OMP_NUM_THREADS": "1"})
 
 
-def step_losses(stdout):
-    """(loss off, loss on) per line of the per-step table."""
+def step_losses(stdout, runs=3):
+    """(loss flags off, loss of each other run) per line of the per-step table."""
     rows = [ln.split() for ln in stdout.splitlines() if re.match(r"^\s*\d+\s+\d", ln)]
-    return [(float(row[1]), float(row[2])) for row in rows]
+    return [(float(row[1]), [float(x) for x in row[2:1 + runs]]) for row in rows]
 
 
 def test_demo_runs_and_losses_agree(tmp_path):
@@ -33,8 +33,10 @@ def test_demo_runs_and_losses_agree(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     losses = step_losses(result.stdout)
     assert len(losses) == 2
-    assert all(abs(off - on) <= 1e-4 * abs(off) for off, on in losses), losses
+    # flags off, mini_sequence_chunk=64, and both flags (--streaming-chunk "auto" by default): same losses
+    assert all(len(on) == 2 and all(abs(off - x) <= 1e-4 * abs(off) for x in on) for off, on in losses), losses
     assert "OK" in result.stdout and "peak ratio chunk=64/off" in result.stdout
+    assert "peak ratio chunk=64 + streaming/off" in result.stdout
     assert "training a 300-token" in result.stdout
     assert plot.read_bytes()[:8] == PNG_MAGIC
     assert len(list(cache.glob("bpe-v300-*.json"))) == 1  # the tokenizer is cached ...
@@ -49,12 +51,16 @@ def test_demo_bad_arguments_exit_2(tmp_path, capsys):
     import demo  # scripts/ is on sys.path (conftest)
 
     bad_args = (["--seq-len", "1"], ["--steps", "0"], ["--chunk", "0"], ["--chunk", "-3"], ["--chunk", "x"],
-                ["--chunk", "2.5"], ["--chunk", "True"], ["--hidden-size", "100"], ["--model", str(tmp_path / "missing")])
+                ["--chunk", "2.5"], ["--chunk", "True"], ["--streaming-chunk", "0"], ["--streaming-chunk", "none"],
+                ["--streaming-chunk", "-4"], ["--hidden-size", "100"], ["--model", str(tmp_path / "missing")])
     for bad in bad_args:
         with pytest.raises(SystemExit) as exc:
             demo.parse_args([*bad, "--cache-dir", str(tmp_path)])
         assert exc.value.code == 2, bad
         assert "error:" in capsys.readouterr().err
+    assert demo.parse_args(["--cache-dir", str(tmp_path)]).streaming_chunk == "auto"
+    assert demo.parse_args(["--streaming-chunk", "off", "--cache-dir", str(tmp_path)]).streaming_chunk is None
+    assert demo.parse_args(["--streaming-chunk", "96", "--cache-dir", str(tmp_path)]).streaming_chunk == 96
     # End to end: the process exits 2 with a message naming the option, before loading data.
     result = run_py([DEMO, "--model", str(tmp_path / "missing"), "--cache-dir", str(tmp_path / "c"),
                      "--plot", str(tmp_path / "p.png")])
