@@ -1,4 +1,4 @@
-"""Tiny configs of the four supported families, shared by the tests (no torch import here)."""
+"""Tiny configs of the supported families, shared by the tests (no torch import here)."""
 
 COMMON = dict(
     vocab_size=128,
@@ -19,6 +19,20 @@ FAMILIES = {
 }
 
 
+# Families with mini_sequence_chunk only (5.24.0+mst.9): tests/test_new_families.py. Not in FAMILIES, whose
+# parametrized tests (streaming, memory, planner) cover the four families with every path.
+NEW_FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # A sliding window (8) shorter than the test sequences, on one layer of two.
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 8, "final_logit_softcapping": 30.0, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }),
+}
+
+
 # State-space families (adjoint sharding, issue 9): their own common sizes.
 SSM_COMMON = dict(vocab_size=128, hidden_size=32, state_size=8, expand=2, num_hidden_layers=2, pad_token_id=0)
 SSM_FAMILIES = {
@@ -30,6 +44,8 @@ SSM_FAMILIES = {
 def _entry(family):
     if family in SSM_FAMILIES:
         return SSM_COMMON, SSM_FAMILIES[family]
+    if family in NEW_FAMILIES:
+        return COMMON, NEW_FAMILIES[family]
     return COMMON, FAMILIES[family]
 
 

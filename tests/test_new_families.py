@@ -1,0 +1,177 @@
+"""`mini_sequence_chunk` on the families added in 5.24.0+mst.9 (Qwen3, Phi-3, OLMo-2, Gemma-3 text and
+Gemma3ForConditionalGeneration): the flag, and exactness against the unsplit path.
+
+Every comparison builds the same model twice from one seed, flag off (upstream path) and flag on, feeds both
+the same fresh random batch (2 rows, left padding, ignored labels), and compares the loss, the gradient of every
+parameter and of `inputs_embeds`. The families live in tiny_models.NEW_FAMILIES, not FAMILIES, so the heavy
+parametrized tests of the other files do not run them.
+"""
+
+import logging
+import zlib
+
+import pytest
+import torch
+import transformers
+from tiny_models import COMMON, NEW_FAMILIES, make_config, make_model
+from transformers.mini_sequence import lm_head_chunk_size
+
+SEQ = 40
+CHUNKS = [1, 7, SEQ - 1, SEQ + 5, "auto"]
+RTOL = 1e-5
+
+
+def batch(seed, bsz=2, seq=SEQ, high=COMMON["vocab_size"]):
+    """Random tokens, row 1 left-padded, a quarter of row 0's labels ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, high, (bsz, seq), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :6] = 0
+    labels = input_ids.clone()
+    labels[attention_mask == 0] = -100
+    labels[0, torch.randperm(seq, generator=gen)[: seq // 4]] = -100
+    return input_ids, attention_mask, labels
+
+
+def train_step(model, input_ids, attention_mask, labels, embeds=True, **kwargs):
+    """Loss, grads of all parameters (and of inputs_embeds when `embeds`), for one forward/backward."""
+    model.train()
+    if embeds:
+        inputs = {"inputs_embeds": model.get_input_embeddings()(input_ids).detach().requires_grad_()}
+    else:
+        inputs = {"input_ids": input_ids}
+    out = model(**inputs, attention_mask=attention_mask, labels=labels, **kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # Every parameter that trains gets a gradient (none lost to the chunked paths); a text-only batch leaves the
+    # multimodal model's vision tower and projector out.
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if embeds:  # the embedding's gradient is that of the detached inputs_embeds (compared), unless tied to lm_head
+        assert grads.keys() >= trained - {"model.embed_tokens.weight"}
+    else:
+        assert grads.keys() == {n for n in trained if "vision_tower" not in n and "multi_modal_projector" not in n}
+    return out, grads, (inputs["inputs_embeds"].grad if embeds else None)
+
+
+def assert_close(actual, expected, rtol=RTOL, what=""):
+    """Relative to the tensor's own scale, so a near-zero entry does not make the check vacuous."""
+    scale = expected.abs().max().clamp_min(1e-12)
+    err = ((actual.float() - expected.float()).abs().max() / scale).item()
+    assert err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def assert_same_step(result, reference):
+    (out, grads, embed_grad), (ref, ref_grads, ref_embed_grad) = result, reference
+    assert_close(out.loss, ref.loss, what="loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    if ref_embed_grad is not None:
+        assert_close(embed_grad, ref_embed_grad, what="inputs_embeds")
+
+
+# ----------------------------------------------------------------------------- the flag
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+@pytest.mark.parametrize("bad", [0, -3, 4.0, True, "Auto"])
+def test_bad_flag_rejected_at_construction(family, bad):
+    with pytest.raises(ValueError, match=r"mini_sequence_chunk.*None, \"auto\", or a positive int"):
+        make_config(family, mini_sequence_chunk=bad)
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_flag_saved_and_not_reported_ignored(family, tmp_path, caplog):
+    assert make_config(family).mini_sequence_chunk is None
+    with caplog.at_level(logging.WARNING):
+        model = make_model(family, mini_sequence_chunk=16)
+    assert "is ignored" not in caplog.text
+    model.save_pretrained(tmp_path)
+    assert type(model).from_pretrained(tmp_path).config.mini_sequence_chunk == 16
+
+
+# ----------------------------------------------------------------------------- exactness, fp32
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+@pytest.mark.parametrize("chunk", CHUNKS, ids=str)
+def test_exact_against_unsplit(family, chunk):
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, so a failure would not reproduce.
+    inputs = batch(zlib.crc32(f"new/{family}/{chunk}".encode()) % 1000)
+    reference = train_step(make_model(family), *inputs)
+    result = train_step(make_model(family, mini_sequence_chunk=chunk), *inputs)
+    config = make_config(family)
+    num_tokens = inputs[2].numel()
+    # The chunked loss never builds the logits; a batch that is one LM-head chunk takes upstream's path.
+    assert (result[0].logits is None) == (lm_head_chunk_size(chunk, config.hidden_size, config.vocab_size, num_tokens) < num_tokens)
+    assert_same_step(result, reference)
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_exact_with_gradient_checkpointing(family):
+    inputs = batch(5)
+    results = []
+    for chunk in (None, 7):
+        model = make_model(family, mini_sequence_chunk=chunk)
+        model.activation_checkpointing_enable()
+        results.append(train_step(model, *inputs))
+    assert_same_step(results[1], results[0])
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_mlp_body_runs_per_mini_sequence(family, monkeypatch):
+    """The MLP's own upstream forward runs once per chunk (nothing re-spelled): every Linear of the MLP sees at
+    most `chunk` tokens per row, and the down projection sees every token once per forward and once per backward."""
+    chunk = 7
+    model = make_model(family, mini_sequence_chunk=chunk)
+    mlp = model.model.layers[0].mlp
+    seen = []
+    original = torch.nn.Linear.forward
+
+    def counted(linear, x):
+        if linear is mlp.down_proj:
+            seen.append(x.shape[-2])
+        return original(linear, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+    train_step(model, *batch(6))
+    assert max(seen) <= chunk and sum(seen) == 2 * SEQ
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_eval_keeps_upstream_logits(family):
+    ids, mask, labels = batch(10)
+    ref = make_model(family).eval()(input_ids=ids, attention_mask=mask, labels=labels)
+    out = make_model(family, mini_sequence_chunk=7).eval()(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is not None
+    assert_close(out.logits, ref.logits, what="logits")
+    assert_close(out.loss, ref.loss, what="loss")
+
+
+# ----------------------------------------------------------------------------- Gemma-3 multimodal
+
+
+def gemma3_multimodal(seed=0, **text_overrides):
+    config = transformers.Gemma3Config(
+        text_config={**COMMON, **NEW_FAMILIES["gemma3_text"][2], **text_overrides},
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=4),
+        mm_tokens_per_image=4, image_token_index=COMMON["vocab_size"] - 1, boi_token_index=COMMON["vocab_size"] - 3,
+        eoi_token_index=COMMON["vocab_size"] - 2,
+    )
+    torch.manual_seed(seed)
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("chunk", [7, "auto"], ids=str)
+def test_gemma3_conditional_generation_text_config_flag(chunk, caplog):
+    """`text_config.mini_sequence_chunk` splits the language model's MLP and chunks the composite's own LM head +
+    loss (no softcapping there, as upstream's Gemma3ForConditionalGeneration); no 'ignored' warning."""
+    inputs = batch(zlib.crc32(f"gemma3-mm/{chunk}".encode()) % 1000, high=COMMON["vocab_size"] - 3)
+    reference = train_step(gemma3_multimodal(), *inputs, embeds=False)
+    with caplog.at_level(logging.WARNING):
+        model = gemma3_multimodal(mini_sequence_chunk=chunk)
+    assert "ignored" not in caplog.text and "upstream's way" not in caplog.text
+    result = train_step(model, *inputs, embeds=False)
+    assert (result[0].logits is None) == (chunk == 7)
+    assert_same_step(result, reference)
