@@ -1,5 +1,5 @@
 """`mini_sequence_chunk` on the families added in 5.24.0+mst.9 (Qwen3, Phi-3, OLMo-2, Gemma-3 text and
-Gemma3ForConditionalGeneration): the flag, and exactness against the unsplit path.
+Gemma3ForConditionalGeneration, Mixtral, Qwen3-MoE): the flag, and exactness against the unsplit path.
 
 Every comparison builds the same model twice from one seed, flag off (upstream path) and flag on, feeds both
 the same fresh random batch (2 rows, left padding, ignored labels), and compares the loss, the gradient of every
@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 import transformers
-from tiny_models import COMMON, NEW_FAMILIES, make_config, make_model
+from tiny_models import COMMON, MOE_FAMILIES, NEW_FAMILIES, make_config, make_model
 from transformers.mini_sequence import lm_head_chunk_size
 
 SEQ = 40
@@ -118,10 +118,11 @@ def test_exact_with_gradient_checkpointing(family):
     assert_same_step(results[1], results[0])
 
 
-@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(NEW_FAMILIES) - set(MOE_FAMILIES)) + ["qwen3_moe"])
 def test_mlp_body_runs_per_mini_sequence(family, monkeypatch):
     """The MLP's own upstream forward runs once per chunk (nothing re-spelled): every Linear of the MLP sees at
-    most `chunk` tokens per row, and the down projection sees every token once per forward and once per backward."""
+    most `chunk` tokens per row, and the down projection sees every token once per forward and once per backward.
+    (Qwen3-MoE's layer 0 is its dense MLP.)"""
     chunk = 7
     model = make_model(family, mini_sequence_chunk=chunk)
     mlp = model.model.layers[0].mlp
@@ -175,3 +176,49 @@ def test_gemma3_conditional_generation_text_config_flag(chunk, caplog):
     result = train_step(model, *inputs, embeds=False)
     assert (result[0].logits is None) == (chunk == 7)
     assert_same_step(result, reference)
+
+
+# ----------------------------------------------------------------------------- MoE: the auxiliary loss
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("chunk", [1, 7, "auto"], ids=str)
+def test_moe_exact_with_router_aux_loss(family, chunk):
+    """output_router_logits=True: the loss (LM loss + 1.0 * load-balancing loss over the padded batch's mask), the
+    aux loss, each layer's router logits (whole, in upstream's (batch, position) order) and every gradient, the
+    routers' included, as the unsplit blocks give."""
+    inputs = batch(zlib.crc32(f"moe/{family}/{chunk}".encode()) % 1000)
+    reference = train_step(make_model(family), *inputs, output_router_logits=True)
+    result = train_step(make_model(family, mini_sequence_chunk=chunk), *inputs, output_router_logits=True)
+    assert_same_step(result, reference)
+    out, ref = result[0], reference[0]
+    assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
+    assert len(out.router_logits) == len(ref.router_logits) > 0
+    for layer, (logits, ref_logits) in enumerate(zip(out.router_logits, ref.router_logits)):
+        assert logits.shape == ref_logits.shape
+        assert_close(logits, ref_logits, what=f"router_logits[{layer}]")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_aux_loss_under_checkpointing(family):
+    inputs = batch(21)
+    results = []
+    for chunk in (None, 7):
+        model = make_model(family, mini_sequence_chunk=chunk)
+        model.activation_checkpointing_enable()
+        results.append(train_step(model, *inputs, output_router_logits=True))
+    assert_same_step(results[1], results[0])
+
+
+def test_moe_router_jitter_runs_the_block_unsplit(caplog):
+    """Jitter noise draws per call: chunks would draw other noise than the whole sequence, so the block runs
+    unsplit (a warning says so) and the step matches upstream's with the same seed."""
+    inputs = batch(22)
+    results = []
+    for chunk in (None, 7):
+        model = make_model("mixtral", mini_sequence_chunk=chunk, router_jitter_noise=0.1)
+        torch.manual_seed(5)
+        with caplog.at_level(logging.WARNING):
+            results.append(train_step(model, *inputs))
+    assert "router_jitter_noise=0.1 in training; the MoE blocks run unsplit" in caplog.text
+    assert_same_step(results[1], results[0])

@@ -31,7 +31,17 @@ NEW_FAMILIES = {
         "head_dim": 8, "final_logit_softcapping": 2.0, "sliding_window": 8,
         "layer_types": ["sliding_attention", "full_attention"],
     }),
+    # MoE: 4 experts, top-2; the auxiliary loss weighted 1.0 so that its gradient counts in the comparisons.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 1.0,
+    }),
+    # Layer 0 dense (Qwen3MoeMLP), layer 1 sparse.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "norm_topk_prob": True, "mlp_only_layers": [0], "router_aux_loss_coef": 1.0,
+    }),
 }
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
 
 # State-space families (adjoint sharding, issue 9): their own common sizes.

@@ -3,7 +3,9 @@
 - `mlp_forward(mlp, x)`: from `LlamaMLP.forward` & co; the MLP by mini-sequences, or None (run upstream's body).
 - `final_norm(model, x)`: from `LlamaModel.forward` & co, the final norm (by mini-sequences when set).
 - `computes_loss(model, labels)` / `causal_lm_output(...)`: from `*ForCausalLM.forward`, to compute
-  the LM head + causal-LM loss chunk by chunk instead of materializing [B, S, V] logits.
+  the LM head + causal-LM loss chunk by chunk instead of materializing [B, S, V] logits
+  (`causal_lm_loss(...)` for the MoE heads, which add their auxiliary loss to it).
+- `moe_forward(block, x)`: from the sparse MoE blocks' `forward` (Mixtral, Qwen3-MoE), as `mlp_forward`.
 """
 
 from ..loss.loss_utils import ForCausalLMLoss
@@ -12,6 +14,7 @@ from ..utils import logging
 from .config import lm_head_chunk_size, mlp_chunk_size
 from .loss import mini_sequence_causal_lm_loss
 from .mlp import mini_sequence_mlp, mini_sequence_norm
+from .moe import mini_sequence_moe
 
 
 logger = logging.get_logger(__name__)
@@ -41,6 +44,25 @@ def mlp_forward(mlp, hidden_states):
     if hidden_states.shape[-2] <= chunk_size:
         return None
     return mini_sequence_mlp(mlp, hidden_states, chunk_size)
+
+
+def moe_forward(block, hidden_states):
+    """A sparse MoE block (Mixtral, Qwen3-MoE) on `hidden_states` one mini-sequence of tokens at a time, or None
+    (run upstream's body), as `mlp_forward`; moe.py records the router logits once, whole. Router jitter noise in
+    training draws a different noise per chunk than over the whole sequence, so such a block runs unsplit."""
+    config = block.config
+    if not enabled(config):
+        return None
+    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
+    if hidden_states.shape[-2] <= chunk_size:
+        return None
+    if block.training and getattr(config, "router_jitter_noise", 0.0):
+        logger.warning_once(
+            f"{type(block).__name__}: router_jitter_noise={config.router_jitter_noise} in training; the MoE blocks "
+            "run unsplit (chunks would draw other noise than the whole sequence). The rest stays chunked."
+        )
+        return None
+    return mini_sequence_moe(block, hidden_states, chunk_size)
 
 
 def final_norm(model, hidden_states):
@@ -84,18 +106,20 @@ def computes_loss(model, labels) -> bool:
     return True
 
 
-def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalLMOutputWithPast, **kwargs):
-    """Loss of `model.lm_head(hidden_states)` against `labels`, chunk by chunk; `logits` is None.
+def causal_lm_loss(model, hidden_states, labels, **kwargs):
+    """The chunked loss of `causal_lm_output` where `computes_loss` holds, else None: for the MoE heads (Mixtral,
+    Qwen3-MoE), whose upstream lines then add the router's auxiliary loss to it and build their own output.
+    Patched as `loss = mini_sequence.causal_lm_loss(...)`, `logits = self.lm_head(h) if loss is None else None`,
+    `if labels is not None and logits is not None:` (upstream's loss)."""
+    if not computes_loss(model, labels):
+        return None
+    return _chunked_loss(model, hidden_states, labels, **kwargs)
 
-    Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
-    num_items_in_batch) and, for Gemma-2/3, `final_logit_softcapping` applied per chunk. The result
-    is `output_class` with the base model's other outputs (its `cache`,
-    hidden_states, attentions); a tuple `(loss, None, *outputs[1:])` when the base model returned a
-    tuple (Mamba with `return_dict=False`), where upstream puts the logits second.
-    """
+
+def _chunked_loss(model, hidden_states, labels, **kwargs):
     config = _text_config(model)
     num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
-    loss = mini_sequence_causal_lm_loss(
+    return mini_sequence_causal_lm_loss(
         hidden_states,
         model.lm_head,
         labels,
@@ -108,6 +132,18 @@ def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalL
         # not (upstream applies no softcapping there, and its config has no such field).
         final_logit_softcapping=getattr(model.config, "final_logit_softcapping", None),
     )
+
+
+def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalLMOutputWithPast, **kwargs):
+    """Loss of `model.lm_head(hidden_states)` against `labels`, chunk by chunk; `logits` is None.
+
+    Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
+    num_items_in_batch) and, for Gemma-2/3, `final_logit_softcapping` applied per chunk. The result
+    is `output_class` with the base model's other outputs (its `cache`,
+    hidden_states, attentions); a tuple `(loss, None, *outputs[1:])` when the base model returned a
+    tuple (Mamba with `return_dict=False`), where upstream puts the logits second.
+    """
+    loss = _chunked_loss(model, hidden_states, labels, **kwargs)
     if isinstance(outputs, tuple):
         return (loss, None, *outputs[1:])
     return output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
