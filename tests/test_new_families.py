@@ -239,3 +239,19 @@ def test_gemma3_conditional_generation_with_images():
     assert result[0].logits is None
     assert any("vision_tower" in name for name in reference[1])
     assert_same_step(result, reference)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_block_runs_per_mini_sequence(family):
+    """The block's own forward runs per chunk: its router sees at most `chunk` tokens of each row at a time, every
+    token once in the forward and once in the chunk's recompute in backward (only the chunk's input was kept)."""
+    chunk = 7
+    model = make_model(family, mini_sequence_chunk=chunk)
+    block = model.model.layers[-1].mlp
+    router = block.router if hasattr(block, "router") else block.gate
+    seen = []
+    router.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+    input_ids, attention_mask, labels = batch(23)
+    train_step(model, input_ids, attention_mask, labels, output_router_logits=True)
+    bsz = input_ids.shape[0]
+    assert max(seen) <= bsz * chunk and sum(seen) == 2 * input_ids.numel()

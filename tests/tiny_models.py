@@ -40,8 +40,13 @@ NEW_FAMILIES = {
         "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
         "norm_topk_prob": True, "mlp_only_layers": [0], "router_aux_loss_coef": 1.0,
     }),
+    # Alternating sliding (window 8) and full attention layers, attention sinks.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+        "router_aux_loss_coef": 1.0,
+    }),
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 
 
 # State-space families (adjoint sharding, issue 9): their own common sizes.

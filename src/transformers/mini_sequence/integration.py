@@ -5,7 +5,7 @@
 - `computes_loss(model, labels)` / `causal_lm_output(...)`: from `*ForCausalLM.forward`, to compute
   the LM head + causal-LM loss chunk by chunk instead of materializing [B, S, V] logits
   (`causal_lm_loss(...)` for the MoE heads, which add their auxiliary loss to it).
-- `moe_forward(block, x)`: from the sparse MoE blocks' `forward` (Mixtral, Qwen3-MoE), as `mlp_forward`.
+- `moe_forward(block, x)`: from the sparse MoE blocks' `forward` (Mixtral, Qwen3-MoE, GPT-OSS), as `mlp_forward`.
 """
 
 from ..loss.loss_utils import ForCausalLMLoss
@@ -47,7 +47,7 @@ def mlp_forward(mlp, hidden_states):
 
 
 def moe_forward(block, hidden_states):
-    """A sparse MoE block (Mixtral, Qwen3-MoE) on `hidden_states` one mini-sequence of tokens at a time, or None
+    """A sparse MoE block (Mixtral, Qwen3-MoE, GPT-OSS) on `hidden_states` one mini-sequence of tokens at a time, or None
     (run upstream's body), as `mlp_forward`; moe.py records the router logits once, whole. Router jitter noise in
     training draws a different noise per chunk than over the whole sequence, so such a block runs unsplit."""
     config = block.config
@@ -108,7 +108,7 @@ def computes_loss(model, labels) -> bool:
 
 def causal_lm_loss(model, hidden_states, labels, **kwargs):
     """The chunked loss of `causal_lm_output` where `computes_loss` holds, else None: for the MoE heads (Mixtral,
-    Qwen3-MoE), whose upstream lines then add the router's auxiliary loss to it and build their own output.
+    Qwen3-MoE, GPT-OSS), whose upstream lines then add the router's auxiliary loss to it and build their own output.
     Patched as `loss = mini_sequence.causal_lm_loss(...)`, `logits = self.lm_head(h) if loss is None else None`,
     `if labels is not None and logits is not None:` (upstream's loss)."""
     if not computes_loss(model, labels):

@@ -1,4 +1,4 @@
-"""Sparse MoE blocks (Mixtral, Qwen3-MoE) by mini-sequences of tokens.
+"""Sparse MoE blocks (Mixtral, Qwen3-MoE, GPT-OSS) by mini-sequences of tokens.
 
 Routing is token-wise (each token's top-k experts and weights depend on that token only), so running the block's
 own upstream `forward` on chunks of the sequence gives the same output and gradients. Each chunk runs under
@@ -26,20 +26,34 @@ from .wrappers import checkpointed_chunks
 ROUTER_LOGITS = "router_logits"
 
 
+def _token_major(per_chunk: list, batch_shape: torch.Size) -> torch.Tensor:
+    """[tokens of the whole sequence, ...] in (batch, position) order, from one [batch * chunk, ...] per chunk (the
+    blocks flatten their input to tokens in (batch, position) order, so a chunk's rows are its rows of each batch)."""
+    tail = per_chunk[0].shape[1:]
+    return torch.cat([t.reshape(*batch_shape, -1, *tail) for t in per_chunk], dim=len(batch_shape)).reshape(-1, *tail)
+
+
 def _merged_router_logits(per_chunk: list, batch_shape: torch.Size, num_chunks: int) -> torch.Tensor:
-    """[tokens of the whole sequence, experts] in (batch, position) order, from one [batch * chunk, experts] each."""
+    """The router logits of the whole sequence, as the unsplit block's router would have returned them."""
     if len(per_chunk) != num_chunks:
         raise RuntimeError(
             f"mini-sequence MoE block: expected one router output per chunk ({num_chunks}), the router's hooks "
             f"recorded {len(per_chunk)}; unset mini_sequence_chunk for this model."
         )
-    num_experts = per_chunk[0].shape[-1]
-    return torch.cat([logits.reshape(*batch_shape, -1, num_experts) for logits in per_chunk], dim=-2).reshape(
-        -1, num_experts
-    )
+    return _token_major(per_chunk, batch_shape)
 
 
-def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def _merged_outputs(chunks: list, batch_shape: torch.Size):
+    """The chunks' outputs put together: the hidden states [..., S, d] along the sequence; a block that also
+    returns per-token tensors (GPT-OSS: `(hidden_states, router_scores [tokens, top_k])`) gets those back whole,
+    in (batch, position) order."""
+    if isinstance(chunks[0], torch.Tensor):
+        return torch.cat(chunks, dim=-2)
+    first, *rest = zip(*chunks)
+    return (torch.cat(first, dim=-2), *(_token_major(list(parts), batch_shape) for parts in rest))
+
+
+def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int):
     """`block(hidden_states)` [..., S, d] one mini-sequence of `chunk_size` tokens at a time, with the router
     logits recorded once, whole (see the module docstring)."""
     collector = output_capturing._active_collector.get()
@@ -61,6 +75,7 @@ def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int) -> to
     finally:
         if recording:
             output_capturing._active_collector.reset(token)
+    batch_shape = hidden_states.shape[:-2]
     if recording:
-        collector[ROUTER_LOGITS].append(_merged_router_logits(per_chunk, hidden_states.shape[:-2], len(chunks)))
-    return torch.cat(chunks, dim=-2)
+        collector[ROUTER_LOGITS].append(_merged_router_logits(per_chunk, batch_shape, len(chunks)))
+    return _merged_outputs(chunks, batch_shape)
