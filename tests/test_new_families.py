@@ -9,10 +9,12 @@ parametrized tests of the other files do not run them.
 
 import logging
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from conftest import run_py
 from tiny_models import COMMON, MOE_FAMILIES, NEW_FAMILIES, make_config, make_model
 from transformers.mini_sequence import lm_head_chunk_size
 
@@ -88,6 +90,35 @@ def test_flag_saved_and_not_reported_ignored(family, tmp_path, caplog):
     assert "is ignored" not in caplog.text
     model.save_pretrained(tmp_path)
     assert type(model).from_pretrained(tmp_path).config.mini_sequence_chunk == 16
+
+
+# One process per side, every new family in it (a process per family and side would cost ~6 s each).
+_PROBE_ALL = (
+    "import runpy, sys\n"
+    "probe, out_dir, families = sys.argv[1], sys.argv[2], sys.argv[3:]\n"
+    "for family in families:\n"
+    "    sys.argv = [probe, family, f'{out_dir}/{family}.pt']\n"
+    "    runpy.run_path(probe, run_name='__main__')\n"
+)
+
+
+def test_flag_off_bit_identical_to_pristine_upstream(pristine_tree, tmp_path):
+    """With the field unset, each new family's loss, logits and gradients (with and without checkpointing) are
+    upstream 5.24.0's bit for bit (tests/flag_off_probe.py, run against the installed package and the pristine
+    wheel)."""
+    probe = str(Path(__file__).parent / "flag_off_probe.py")
+    families = sorted(NEW_FAMILIES)
+    for side, env in (("ours", None), ("upstream", {"PYTHONPATH": str(pristine_tree)})):
+        (tmp_path / side).mkdir()
+        run_py(["-c", _PROBE_ALL, probe, str(tmp_path / side), *families], env_extra=env, check=True)
+    for family in families:
+        a, b = torch.load(tmp_path / "ours" / f"{family}.pt"), torch.load(tmp_path / "upstream" / f"{family}.pt")
+        assert b["file"].startswith(str(pristine_tree)) and a["file"] == transformers.__file__, family
+        assert torch.equal(a["loss"], b["loss"]) and torch.equal(a["logits"], b["logits"]), family
+        assert a["grads"].keys() == b["grads"].keys(), family
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), (family, name)
+            assert torch.equal(a["checkpointed_grads"][name], b["checkpointed_grads"][name]), (family, name)
 
 
 # ----------------------------------------------------------------------------- exactness, fp32
