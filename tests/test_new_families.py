@@ -134,7 +134,8 @@ def test_exact_against_unsplit(family, chunk):
     config = make_config(family)
     num_tokens = inputs[2].numel()
     # The chunked loss never builds the logits; a batch that is one LM-head chunk takes upstream's path.
-    assert (result[0].logits is None) == (lm_head_chunk_size(chunk, config.hidden_size, config.vocab_size, num_tokens) < num_tokens)
+    lm_chunk = lm_head_chunk_size(chunk, config.hidden_size, config.vocab_size, num_tokens)
+    assert (result[0].logits is None) == (lm_chunk < num_tokens)
     assert_same_step(result, reference)
 
 

@@ -47,9 +47,9 @@ def mlp_forward(mlp, hidden_states):
 
 
 def moe_forward(block, hidden_states):
-    """A sparse MoE block (Mixtral, Qwen3-MoE, GPT-OSS) on `hidden_states` one mini-sequence of tokens at a time, or None
-    (run upstream's body), as `mlp_forward`; moe.py records the router logits once, whole. Router jitter noise in
-    training draws a different noise per chunk than over the whole sequence, so such a block runs unsplit."""
+    """A sparse MoE block (Mixtral, Qwen3-MoE, GPT-OSS) on `hidden_states` one mini-sequence of tokens at a time,
+    or None (run upstream's body), as `mlp_forward`; moe.py records the router logits once, whole. Router jitter
+    noise in training draws a different noise per chunk than over the whole sequence, so such a block runs unsplit."""
     config = block.config
     if not enabled(config):
         return None

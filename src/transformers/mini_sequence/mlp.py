@@ -30,11 +30,12 @@ from .wrappers import (
 def module_forward(module, x):
     """``module``'s own class ``forward`` on ``x`` (one mini-sequence): upstream's body, not a re-spelling of it.
 
-    The patched forwards start with ``if (out := mini_sequence.mlp_forward(self, x)) is not None: return out``,
-    and `integration.mlp_forward` returns None for an input of at most one mini-sequence, so each chunk passed
-    back in here runs the upstream lines below (no flag or context variable: the guard is the chunk's length).
-    The class's function, not ``module.forward``: an instance-level replacement (accelerate's hooks) already ran
-    once around the whole call; its submodules' hooks (PEFT LoRA, quantized linears) still run per chunk."""
+    The patched forwards start with ``if (mini_sequence_out := mini_sequence.mlp_forward(self, x)) is not None:
+    return mini_sequence_out`` (``moe_forward`` for the MoE blocks), which return None for an input of at most one
+    mini-sequence, so each chunk passed back in here runs the upstream lines below them (no flag or context
+    variable: the guard is the chunk's length). The class's function, not ``module.forward``: an instance-level
+    replacement (accelerate's hooks) already ran once around the whole call; the submodules' hooks (PEFT LoRA,
+    quantized linears) still run per chunk."""
     return type(module).forward(module, x)
 
 

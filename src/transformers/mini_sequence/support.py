@@ -14,9 +14,11 @@ from .config import FIELD_NAME, STREAMING_FIELD_NAME, validate_mini_sequence_chu
 logger = logging.get_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2")
-# mini_sequence_chunk only (MLP or MoE block, final norm, LM head + loss; patches 0002-0004, 0012): the families added in
-# 5.24.0+mst.9. Gemma-3's text model is "gemma3_text"; the multimodal "gemma3" reads text_config's field.
-MINI_SEQUENCE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + ("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss")
+# mini_sequence_chunk only (MLP or MoE block, final norm, LM head + loss; patches 0002-0004, 0012): the families
+# added in 5.24.0+mst.9. Gemma-3's text model is "gemma3_text"; the multimodal "gemma3" reads text_config's field.
+MINI_SEQUENCE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + (
+    "qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss"
+)
 # Composite models whose own LM head + loss is chunked when their text config sets mini_sequence_chunk.
 TEXT_CONFIG_LM_HEAD_MODEL_TYPES = ("gemma3",)
 # State-space models: adjoint sharding; they have no MLP, so mini_sequence_chunk chunks their LM head + loss.
