@@ -287,3 +287,20 @@ def test_moe_block_runs_per_mini_sequence(family):
     train_step(model, input_ids, attention_mask, labels, output_router_logits=True)
     bsz = input_ids.shape[0]
     assert max(seen) <= bsz * chunk and sum(seen) == 2 * input_ids.numel()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_eval_router_logits_whole(family):
+    """Without gradients (eval under no_grad) the chunks run in a plain loop; the router logits still come back
+    whole."""
+    ids, mask, labels = batch(24)
+    with torch.no_grad():
+        ref = make_model(family).eval()(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out = make_model(family, mini_sequence_chunk=7).eval()(
+            input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True
+        )
+    assert_close(out.logits, ref.logits, what="logits")
+    assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
+    assert [r.shape for r in out.router_logits] == [r.shape for r in ref.router_logits]
+    for logits, ref_logits in zip(out.router_logits, ref.router_logits):
+        assert_close(logits, ref_logits, what="router_logits")
