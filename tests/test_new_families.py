@@ -171,6 +171,34 @@ def test_mlp_body_runs_per_mini_sequence(family, monkeypatch):
     assert max(seen) <= chunk and sum(seen) == 2 * SEQ
 
 
+# OLMo-2's and Gemma-3's post-feedforward norm saves the MLP's output, so the layer's recompute needs the MLP (as
+# Gemma-2's, tests/test_mini_sequence_models.py); Qwen3's and Phi-3's recompute stops before it (`_SavedInput`).
+MLP_RUNS_WITH_CHECKPOINTING = {"qwen3": 2.0, "phi3": 2.0, "olmo2": 3.0, "gemma3_text": 3.0}
+
+
+@pytest.mark.parametrize("family", sorted(MLP_RUNS_WITH_CHECKPOINTING))
+def test_checkpointing_mlp_runs_per_step(family, monkeypatch):
+    """Tokens through the first layer's down projection per token of the batch in one checkpointed step: 2 without
+    the flag (forward, recompute); with it, 2 or 3 (the mini-sequence backward rebuilds the chunks)."""
+    original = torch.nn.Linear.forward
+    runs = []
+    for chunk in (None, 7):
+        model = make_model(family, mini_sequence_chunk=chunk)
+        model.activation_checkpointing_enable()
+        down, rows = model.model.layers[0].mlp.down_proj, [0]
+
+        def counted(linear, x, down=down, rows=rows):
+            if linear is down:
+                rows[0] += x.shape[:-1].numel()
+            return original(linear, x)
+
+        monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+        input_ids, attention_mask, labels = batch(4)
+        train_step(model, input_ids, attention_mask, labels)
+        runs.append(rows[0] / input_ids.numel())
+    assert runs == [2.0, MLP_RUNS_WITH_CHECKPOINTING[family]]
+
+
 @pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
 def test_eval_keeps_upstream_logits(family):
     ids, mask, labels = batch(10)

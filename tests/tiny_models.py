@@ -24,7 +24,7 @@ FAMILIES = {
 NEW_FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"bos_token_id": 1, "eos_token_id": 2}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"eos_token_id": 2}),
     # A sliding window (8) shorter than the test sequences, on one layer of two; a softcap (2.0) that bends the
     # tiny logits (at 30 a softcap left out of the chunked loss moved the gradients by only ~3e-5).
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
