@@ -1,26 +1,31 @@
-"""CUDA measurements of the mini-sequence flag on one GPU (run where a GPU is lent; CPU for a smoke run).
+"""CUDA measurements of every method on one GPU (run where a GPU is lent; CPU for a smoke run).
 
-    python scripts/cuda_check.py [--model llama-1b] [--seq 4096 16384] [--out DIR]
+    python scripts/cuda_check.py [--model llama-1b] [--seq 4096 16384] [--methods ...] [--out DIR]
+    python scripts/cuda_check.py --planner-only [--seq ...] [--out DIR]   # on a CPU: the planner's estimates
 
-Three parts, each printing its numbers and writing them to <out>/cuda_check.json:
+Four parts, each printing its numbers and writing them to <out>/cuda_check_<seqs>.json:
 
-1. exactness on CUDA: a small fp32 Llama, flag off vs chunks 7 and "auto", batch 2 with left
+1. exactness on CUDA: a small fp32 Llama, flag off vs chunks 7, 64 and "auto", batch 2 with left
    padding and ignored labels: loss and every gradient (relative error, must be <= 1e-5);
    and the same with the LM head on the CPU and the rest on the GPU (accelerate `device_map`
    hooks: the wrapped path, labels moved to the head's device as upstream does).
 2. training steps of a ~1.2B Llama (Llama-3.2-1B shapes, bf16 weights and AdamW states in bf16,
-   SDPA attention) for the methods vanilla / checkpointing / mini_sequence /
-   mini_sequence+checkpointing at each --seq: peak `torch.cuda.max_memory_allocated` (weights,
-   optimizer states, gradients, activations) and median step time (forward, backward, AdamW).
+   SDPA attention) for each method of `METHODS` (vanilla, checkpointing, mini_sequence,
+   mini_sequence+checkpointing, streaming, mini_sequence+streaming, the same with offloaded layer
+   inputs, and compiled steps with the flag off and on) at each --seq: peak
+   `torch.cuda.max_memory_allocated` (weights, optimizer states, gradients, activations) and median
+   step time (forward, backward, AdamW).
 3. streaming backward (`streaming_backward_chunk`) on CUDA, for sdpa and, where flash-attn is installed,
    flash_attention_2: a small bf16 Llama (GQA), chunks 7 and 64, a left-padded batch and a packed one
    (restarting position_ids); every gradient's error against an fp32 unsplit sdpa run, next to upstream
    bf16's own error with the same attention (ours must be within 1.25x of it + 1e-3).
 4. the planner's estimate of the same peaks (fake tensors on CPU, FlashAttention-like stand-in),
-   next to the measurement: how far the planner is from a real GPU.
+   next to the measurement: how far the planner is from a real GPU. `--planner-only` computes just
+   these (no GPU needed), to be merged with a GPU run's file by `--merge-planner FILE`.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -30,12 +35,22 @@ from pathlib import Path
 import torch
 import transformers
 
+# name -> (mini_sequence_chunk, checkpointing, streaming_backward_chunk, offloaded layer inputs, compiled)
 METHODS = {
-    "vanilla": (None, False),
-    "checkpointing": (None, True),
-    "mini_sequence": ("auto", False),
-    "mini_sequence+checkpointing": ("auto", True),
+    "vanilla": (None, False, None, False, False),
+    "checkpointing": (None, True, None, False, False),
+    "mini_sequence": ("auto", False, None, False, False),
+    "mini_sequence+checkpointing": ("auto", True, None, False, False),
+    "streaming": (None, False, "auto", False, False),
+    "mini_sequence+streaming": ("auto", False, "auto", False, False),
+    # activation_checkpointing_enable(offload=True): the streamed layers keep their inputs in host memory
+    "mini_sequence+streaming+offload": ("auto", True, "auto", True, False),
+    "checkpointing+compile": (None, True, None, False, True),
+    "mini_sequence+checkpointing+compile": ("auto", True, None, False, True),
 }
+# The planner's method for each measured one (it plans no compiled step: same tensors, other kernels).
+PLANNED_AS = {"mini_sequence+streaming+offload": "mini_sequence+streaming", "checkpointing+compile": "checkpointing",
+              "mini_sequence+checkpointing+compile": "mini_sequence+checkpointing"}
 MODELS = {
     # Llama-3.2-1B's public config.json shapes (tied embeddings).
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -133,20 +148,23 @@ def streaming_exactness(device):
     return results
 
 
-def build(model_name, chunk, checkpointing, device):
-    config = transformers.LlamaConfig(**MODELS[model_name], mini_sequence_chunk=chunk, use_cache=False)
+def build(model_name, method, device):
+    chunk, checkpointing, streaming, offload, compiled = METHODS[method]
+    config = transformers.LlamaConfig(**MODELS[model_name], mini_sequence_chunk=chunk,
+                                      streaming_backward_chunk=streaming, use_cache=False)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
     model.train()
     if checkpointing:
-        model.activation_checkpointing_enable()
+        model.activation_checkpointing_enable(offload=offload)
+    if compiled:
+        model.compile()
     return model
 
 
 def train_steps(model_name, method, seq, device, repeats):
-    chunk, checkpointing = METHODS[method]
-    model = build(model_name, chunk, checkpointing, device)
+    model = build(model_name, method, device)
     # AdamW with bf16 states (the planner's adamw-bf16): states created by one step on zero grads.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     for p in model.parameters():
@@ -160,7 +178,7 @@ def train_steps(model_name, method, seq, device, repeats):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     try:
-        for _ in range(repeats + 1):
+        for _ in range(repeats + 1):  # the first step warms up (and compiles)
             start = time.perf_counter()
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -181,11 +199,66 @@ def train_steps(model_name, method, seq, device, repeats):
             "step_seconds": statistics.median(times[1:]), "first_loss": losses[0]}
 
 
-def planner_peaks(model_name, methods, seqs):
-    from transformers.mini_sequence.plan import Planner
+def profile_step(model_name, method, seq, device, rows=25):
+    """One step (after a warm-up) under torch.profiler: the ops taking the most device time and the most host
+    time, and on CUDA every host-device synchronization (`torch.cuda.set_sync_debug_mode`), by call site."""
+    import collections
+    import traceback
+    import warnings
 
-    planner = Planner(transformers.LlamaConfig(**MODELS[model_name]), optimizer="adamw-bf16")
-    return {(m, s): planner.peak_bytes(m, s) for m in methods for s in seqs}
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model = build(model_name, method, device)
+    ids = torch.randint(0, MODELS[model_name]["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
+    ids = ids.to(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    syncs = collections.Counter()
+
+    def record_sync(message, *args, **kwargs):
+        frames = [f for f in traceback.extract_stack()[:-1] if "site-packages/torch/" not in f.filename]
+        syncs[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:][::-1])] += 1
+
+    for step in range(2):
+        with profile(activities=activities) if step else contextlib.nullcontext() as prof, warnings.catch_warnings():
+            if step and device == "cuda":
+                warnings.simplefilter("always")
+                warnings.showwarning = record_sync
+                torch.cuda.set_sync_debug_mode("warn")
+            with record_function("forward"):
+                loss = model(input_ids=ids, labels=ids).loss
+            with record_function("backward"):
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+    print(f"--- profile S={seq} {method}", flush=True)
+    for sort in ("self_cuda_time_total",) * (device == "cuda") + ("self_cpu_time_total",):
+        print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60), flush=True)
+    print(f"host-device synchronizations: {sum(syncs.values())}", flush=True)
+    for where, count in syncs.most_common(20):
+        print(f"  {count:5d}  {where}", flush=True)
+    del model
+
+
+def planner_peaks(model_name, methods, seqs):
+    """{(method, seq): planned peak bytes} for the measured methods (offloaded inputs planned as such)."""
+    from transformers.mini_sequence.plan import Parallel, Planner
+
+    config = transformers.LlamaConfig(**MODELS[model_name])
+    planners = {False: Planner(config, optimizer="adamw-bf16"),
+                True: Planner(config, optimizer="adamw-bf16", parallel=Parallel(offload=("inputs",)))}
+    return {(m, s): planners[METHODS[m][3]].peak_bytes(PLANNED_AS.get(m, m), s) for m in methods for s in seqs}
+
+
+def print_row(row):
+    if row["oom"]:
+        print(f"S={row['seq']:6d} {row['method']:36s} OOM", flush=True)
+        return
+    peak, plan = row["peak_bytes"], row.get("planner_peak_bytes")
+    print(f"S={row['seq']:6d} {row['method']:36s} peak {peak / 2**30 if peak else float('nan'):7.2f} GiB  "
+          f"planner {plan / 2**30 if plan else float('nan'):7.2f} GiB  "
+          f"step {row['step_seconds']:.3f} s  loss {row['first_loss']:.4f}", flush=True)
 
 
 def main(argv=None):
@@ -195,13 +268,34 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--no-planner", action="store_true", help="skip the planner comparison")
+    parser.add_argument("--planner-only", action="store_true", help="only part 4 (no GPU needed), written to "
+                        "<out>/planner_<seqs>.json")
+    parser.add_argument("--merge-planner", type=Path, help="a --planner-only file: its estimates are added to this "
+                        "run's rows (with --no-planner on a GPU machine, the planner having run on a CPU one)")
+    parser.add_argument("--profile", action="store_true", help="instead of the parts: profile one step of each "
+                        "--methods at each --seq (torch.profiler's table of the ops taking the most time)")
     parser.add_argument("--no-exactness", action="store_true", help="skip part 1")
     parser.add_argument("--no-streaming", action="store_true", help="skip part 3")
     parser.add_argument("--out", type=Path, default=Path("out/cuda_check"))
     args = parser.parse_args(argv)
+    seqs = "_".join(map(str, args.seq))
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.planner_only:
+        planned = planner_peaks(args.model, args.methods, args.seq)
+        rows = [{"method": m, "seq": s, "planner_peak_bytes": b} for (m, s), b in planned.items()]
+        for row in rows:
+            print(f"S={row['seq']:6d} {row['method']:36s} planner {row['planner_peak_bytes'] / 2**30:7.2f} GiB", flush=True)
+        (args.out / f"planner_{seqs}.json").write_text(json.dumps({"model": args.model, "transformers":
+                                                                   transformers.__version__, "rows": rows}, indent=1))
+        return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+    if args.profile:
+        for seq in args.seq:
+            for method in args.methods:
+                profile_step(args.model, method, seq, device)
+        return 0
 
     report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
               "model": args.model, "model_config": MODELS[args.model]}
@@ -211,27 +305,35 @@ def main(argv=None):
     rows = []
     for seq in args.seq:
         for method in args.methods:
-            row = train_steps(args.model, method, seq, device, args.repeats)
+            try:
+                row = train_steps(args.model, method, seq, device, args.repeats)
+            except Exception as err:  # e.g. a compiler failure: recorded, the other methods still run
+                print(f"S={seq:6d} {method:36s} FAILED: {type(err).__name__}: {err}"[:2000], flush=True)
+                rows.append({"method": method, "seq": seq, "oom": False, "error": f"{type(err).__name__}: {err}"[:2000]})
+                continue
             if (method, seq) in planned:
                 row["planner_peak_bytes"] = planned[(method, seq)]
             rows.append(row)
-            if row["oom"]:
-                print(f"S={seq:6d} {method:28s} OOM", flush=True)
-                continue
-            peak = row["peak_bytes"]
-            plan = row.get("planner_peak_bytes")
-            print(f"S={seq:6d} {method:28s} peak {peak / 2**30 if peak else float('nan'):7.2f} GiB  "
-                  f"planner {plan / 2**30 if plan else float('nan'):7.2f} GiB  "
-                  f"step {row['step_seconds']:.3f} s  loss {row['first_loss']:.4f}", flush=True)
+            print_row(row)
     report["steps"] = rows
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"cuda_check_{'_'.join(map(str, args.seq))}.json").write_text(json.dumps(report, indent=1))
+    write_report(report, args.out / f"cuda_check_{seqs}.json", args.merge_planner)
     bad = [k for k, v in report["exactness"].items() if v["loss_rel_err"] > 1e-5 or v["max_grad_rel_err"] > 1e-5 or v["missing_grads"]]
     bad += [k for k, v in report["streaming"].items() if not v["ok"]]
+    bad += [f"{r['method']} S={r['seq']}" for r in rows if "error" in r]
     if bad:
-        print(f"NOT EXACT: {bad}", file=sys.stderr)
+        print(f"NOT EXACT OR FAILED: {bad}", file=sys.stderr)
         return 1
     return 0
+
+
+def write_report(report, path, planner_file=None):
+    """Write `report` to `path`, first adding the estimates of a --planner-only file to its rows."""
+    if planner_file is not None:
+        planned = {(r["method"], r["seq"]): r["planner_peak_bytes"] for r in json.loads(planner_file.read_text())["rows"]}
+        for row in report["steps"]:
+            if (row["method"], row["seq"]) in planned:
+                row["planner_peak_bytes"] = planned[(row["method"], row["seq"])]
+    path.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -102,9 +102,12 @@ def _chunk_loss_sum(lm_head, hidden_chunk, labels_chunk, softcap, ignore_index, 
     return _CrossEntropySum.apply(logits, labels_chunk.to(logits.device), ignore_index)
 
 
-# Logits elements upcast to fp32 at a time by `_cross_entropy_sum_and_grad` (8 MiB): a bf16 chunk
-# then never has an fp32 copy of its [C, V] logits, nor an fp32 [C, V] gradient.
-_FP32_BLOCK_ELEMENTS = 1 << 21
+# Row blocks per chunk in `_cross_entropy_sum_and_grad`: its fp32 work is done an eighth of the chunk at a time,
+# so a bf16 chunk never has an fp32 copy of its [C, V] logits nor an fp32 [C, V] gradient (a block's fp32
+# buffer is a quarter of the chunk's bf16 logits' bytes). Until mst.8 blocks were also capped at 8 MiB (16 rows
+# at V=128K): 64 blocks per 1024-token chunk, a dozen small kernels each, and on an H100 the LM head + loss ran
+# 100 ms on the host for 28 ms of GPU work (Llama-3.2-1B shapes, 4K tokens; `scripts/cuda_check.py --profile`).
+_ROW_BLOCKS_PER_CHUNK = 8
 
 
 def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_out):
@@ -116,8 +119,7 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
     tokens; then rounded once to the logits' dtype. A few rows at a time, so the fp32 buffers are
     small. With ``grad_out=None`` only the sum is computed."""
     labels = labels.to(logits.device)
-    # At most an eighth of the chunk: the fp32 buffers stay small next to its own logits.
-    rows = max(1, min(_FP32_BLOCK_ELEMENTS // logits.shape[-1], -(-logits.shape[0] // 8)))
+    rows = max(1, -(-logits.shape[0] // _ROW_BLOCKS_PER_CHUNK))
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], rows):
         end = min(start + rows, logits.shape[0])
