@@ -23,7 +23,7 @@ FIELDS = {  # a valid value of each field (adjoint_truncation needs adjoint_shar
     "adjoint_sharding_chunk": {"adjoint_sharding_chunk": 8},
     "adjoint_truncation": {"adjoint_sharding_chunk": 8, "adjoint_truncation": 4},
 }
-TINY_CONFIGS = {  # model types without some or all of our paths
+TINY_CONFIGS = {  # model types without some or all of our paths (qwen3: only mini_sequence_chunk's)
     "qwen3": lambda: transformers.Qwen3Config(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8,
@@ -38,7 +38,7 @@ TINY_CONFIGS = {  # model types without some or all of our paths
     ),
 }
 PATH_MODEL_TYPES = {
-    "mini_sequence_chunk": {"llama", "mamba"},
+    "mini_sequence_chunk": {"llama", "mamba", "qwen3"},  # qwen3: mini_sequence_chunk only (5.24.0+mst.9)
     "streaming_backward_chunk": {"llama"},
     "adjoint_sharding_chunk": {"mamba"},
     "adjoint_truncation": {"mamba"},
@@ -102,7 +102,8 @@ def test_streaming_on_a_model_type_without_the_path_trains_as_upstream(saved, wa
     """It was a ValueError at the first training forward, after a warning that said the field is ignored."""
     ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     losses = []
-    for flags in ({}, {"streaming_backward_chunk": 4, "mini_sequence_chunk": 4}):
+    # (mini_sequence_chunk left out: qwen3 has that path since 5.24.0+mst.9, exact but not bit-identical)
+    for flags in ({}, {"streaming_backward_chunk": 4}):
         model = transformers.AutoModelForCausalLM.from_pretrained(saved["qwen3"], **flags).train()
         losses.append(model(input_ids=ids, labels=ids).loss)
     assert torch.equal(losses[0], losses[1])

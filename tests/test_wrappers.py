@@ -15,7 +15,7 @@ import transformers
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.mini_sequence import mini_sequence_causal_lm_loss, mini_sequence_mlp
-from transformers.mini_sequence.mlp import _MiniSequenceMLPFunction, gated_mlp_forward
+from transformers.mini_sequence.mlp import _MiniSequenceMLPFunction, module_forward
 from transformers.mini_sequence.wrappers import function_parameters
 
 D, I, V, S = 16, 40, 50, 37
@@ -173,7 +173,7 @@ def test_function_given_too_few_parameters_raises_instead_of_dropping():
     mlp = make_mlp()
     x = torch.randn(1, S, D, requires_grad=True)
     params = list(mlp.parameters())[:-1]  # down_proj.weight left out
-    out = _MiniSequenceMLPFunction.apply(x, 7, gated_mlp_forward, mlp, *params)
+    out = _MiniSequenceMLPFunction.apply(x, 7, module_forward, mlp, *params)
     with pytest.raises(RuntimeError, match="would be lost"):
         out.sum().backward()
 
@@ -230,6 +230,11 @@ def test_double_backward_raises(what):
         torch.autograd.grad(out, [x, *params], create_graph=True)
 
 
+def gated_mlp_reference(mlp, x):
+    """The gated MLP formula, spelled out here as the test's reference (the package calls the module's own forward)."""
+    return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
 def test_mlp_built_from_config_without_the_field():
     # Draft heads and derived models build LlamaMLP & co from configs that lack the field.
     config = transformers.PretrainedConfig(hidden_size=D, intermediate_size=I, hidden_act="silu", mlp_bias=False)
@@ -240,12 +245,12 @@ def test_mlp_built_from_config_without_the_field():
     ):
         mlp = cls(config)
         x = torch.randn(1, 5, D)
-        assert torch.equal(mlp(x), gated_mlp_forward(mlp, x))
+        assert torch.equal(mlp(x), gated_mlp_reference(mlp, x))
     gemma = transformers.models.gemma2.modeling_gemma2.Gemma2MLP(
         transformers.PretrainedConfig(hidden_size=D, intermediate_size=I, hidden_activation="gelu_pytorch_tanh")
     )
     x = torch.randn(1, 5, D)
-    assert torch.equal(gemma(x), gated_mlp_forward(gemma, x))
+    assert torch.equal(gemma(x), gated_mlp_reference(gemma, x))
 
 
 def test_composite_model_with_flag_on_text_config_warns(caplog):

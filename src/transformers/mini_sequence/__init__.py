@@ -15,7 +15,7 @@ from .config import (
 
 _LAZY = {
     "mini_sequence_mlp": ".mlp",
-    "gated_mlp_forward": ".mlp",
+    "module_forward": ".mlp",
     "mini_sequence_causal_lm_loss": ".loss",
     "LiveTensorTracker": ".memory",
 }

@@ -1,9 +1,11 @@
-"""What the patched model files call: each patched forward adds two lines that call one of these.
+"""What the patched model files call: each patched forward adds a line or two that call one of these.
 
-- `mlp_forward(mlp, x)`: from `LlamaMLP.forward` & co when `config.mini_sequence_chunk` is set.
+- `mlp_forward(mlp, x)`: from `LlamaMLP.forward` & co; the MLP by mini-sequences, or None (run upstream's body).
 - `final_norm(model, x)`: from `LlamaModel.forward` & co, the final norm (by mini-sequences when set).
 - `computes_loss(model, labels)` / `causal_lm_output(...)`: from `*ForCausalLM.forward`, to compute
-  the LM head + causal-LM loss chunk by chunk instead of materializing [B, S, V] logits.
+  the LM head + causal-LM loss chunk by chunk instead of materializing [B, S, V] logits
+  (`causal_lm_loss(...)` for the MoE heads, which add their auxiliary loss to it).
+- `moe_forward(block, x)`: from the sparse MoE blocks' `forward` (Mixtral, Qwen3-MoE, GPT-OSS), as `mlp_forward`.
 """
 
 from ..loss.loss_utils import ForCausalLMLoss
@@ -12,6 +14,7 @@ from ..utils import logging
 from .config import lm_head_chunk_size, mlp_chunk_size
 from .loss import mini_sequence_causal_lm_loss
 from .mlp import mini_sequence_mlp, mini_sequence_norm
+from .moe import mini_sequence_moe
 
 
 logger = logging.get_logger(__name__)
@@ -24,9 +27,42 @@ def enabled(config) -> bool:
 
 
 def mlp_forward(mlp, hidden_states):
-    """The gated MLP of `mlp` on `hidden_states`, one mini-sequence of tokens at a time."""
+    """`mlp` on `hidden_states` one mini-sequence of tokens at a time, or None: then the caller runs its own
+    upstream body. The patched forwards start with
+
+        if (mini_sequence_out := mini_sequence.mlp_forward(self, x)) is not None:
+            return mini_sequence_out
+
+    None when the flag is unset or `hidden_states` holds at most one mini-sequence along its token axis (-2),
+    which includes each chunk that the chunked path passes back to the module's own `forward`
+    (mlp.py's `module_forward`): the upstream body then runs per chunk, whatever it computes (a fused
+    gate_up_proj, GELU, a sparse MoE block), and nothing of it is spelled out here."""
     config = mlp.config
-    return mini_sequence_mlp(mlp, hidden_states, mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size))
+    if not enabled(config):
+        return None
+    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
+    if hidden_states.shape[-2] <= chunk_size:
+        return None
+    return mini_sequence_mlp(mlp, hidden_states, chunk_size)
+
+
+def moe_forward(block, hidden_states):
+    """A sparse MoE block (Mixtral, Qwen3-MoE, GPT-OSS) on `hidden_states` one mini-sequence of tokens at a time,
+    or None (run upstream's body), as `mlp_forward`; moe.py records the router logits once, whole. Router jitter
+    noise in training draws a different noise per chunk than over the whole sequence, so such a block runs unsplit."""
+    config = block.config
+    if not enabled(config):
+        return None
+    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
+    if hidden_states.shape[-2] <= chunk_size:
+        return None
+    if block.training and getattr(config, "router_jitter_noise", 0.0):
+        logger.warning_once(
+            f"{type(block).__name__}: router_jitter_noise={config.router_jitter_noise} in training; the MoE blocks "
+            "run unsplit (chunks would draw other noise than the whole sequence). The rest stays chunked."
+        )
+        return None
+    return mini_sequence_moe(block, hidden_states, chunk_size)
 
 
 def final_norm(model, hidden_states):
@@ -38,6 +74,13 @@ def final_norm(model, hidden_states):
     return mini_sequence_norm(model.norm, hidden_states, mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size))
 
 
+def _text_config(model):
+    """The config holding the flag and the LM head's sizes: the model's own, or a composite's text config
+    (Gemma3ForConditionalGeneration with `text_config.mini_sequence_chunk`)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def computes_loss(model, labels) -> bool:
     """Whether `model.forward` should compute its loss chunk-wise (and return `logits=None`).
 
@@ -47,7 +90,7 @@ def computes_loss(model, labels) -> bool:
     So does a batch that would be one LM-head chunk: splitting nothing saves nothing, and the
     chunked path's fp32 [V, d] gradient buffer would put its peak above upstream's.
     """
-    config = model.config
+    config = _text_config(model)
     if not enabled(config) or labels is None or not model.training:
         return False
     num_tokens = labels.numel()
@@ -63,18 +106,20 @@ def computes_loss(model, labels) -> bool:
     return True
 
 
-def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalLMOutputWithPast, **kwargs):
-    """Loss of `model.lm_head(hidden_states)` against `labels`, chunk by chunk; `logits` is None.
+def causal_lm_loss(model, hidden_states, labels, **kwargs):
+    """The chunked loss of `causal_lm_output` where `computes_loss` holds, else None: for the MoE heads (Mixtral,
+    Qwen3-MoE, GPT-OSS), whose upstream lines then add the router's auxiliary loss to it and build their own output.
+    Patched as `loss = mini_sequence.causal_lm_loss(...)`, `logits = self.lm_head(h) if loss is None else None`,
+    `if labels is not None and logits is not None:` (upstream's loss)."""
+    if not computes_loss(model, labels):
+        return None
+    return _chunked_loss(model, hidden_states, labels, **kwargs)
 
-    Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
-    num_items_in_batch) and, for Gemma-2, `final_logit_softcapping` applied per chunk. The result
-    is `output_class` with the base model's other outputs (its `cache`,
-    hidden_states, attentions); a tuple `(loss, None, *outputs[1:])` when the base model returned a
-    tuple (Mamba with `return_dict=False`), where upstream puts the logits second.
-    """
-    config = model.config
+
+def _chunked_loss(model, hidden_states, labels, **kwargs):
+    config = _text_config(model)
     num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
-    loss = mini_sequence_causal_lm_loss(
+    return mini_sequence_causal_lm_loss(
         hidden_states,
         model.lm_head,
         labels,
@@ -83,8 +128,22 @@ def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalL
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         ignore_index=kwargs.get("ignore_index", -100),
         shift_labels=kwargs.get("shift_labels"),
-        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        # The model's own config: Gemma-2/3's *ForCausalLM cap their logits; Gemma3ForConditionalGeneration does
+        # not (upstream applies no softcapping there, and its config has no such field).
+        final_logit_softcapping=getattr(model.config, "final_logit_softcapping", None),
     )
+
+
+def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalLMOutputWithPast, **kwargs):
+    """Loss of `model.lm_head(hidden_states)` against `labels`, chunk by chunk; `logits` is None.
+
+    Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
+    num_items_in_batch) and, for Gemma-2/3, `final_logit_softcapping` applied per chunk. The result
+    is `output_class` with the base model's other outputs (its `cache`,
+    hidden_states, attentions); a tuple `(loss, None, *outputs[1:])` when the base model returned a
+    tuple (Mamba with `return_dict=False`), where upstream puts the logits second.
+    """
+    loss = _chunked_loss(model, hidden_states, labels, **kwargs)
     if isinstance(outputs, tuple):
         return (loss, None, *outputs[1:])
     return output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})

@@ -27,11 +27,16 @@ from .wrappers import (
 )
 
 
-def gated_mlp_forward(mlp, x):
-    """Upstream LlamaMLP / Gemma2MLP / Qwen2MLP / MistralMLP forward, spelled out so that it can
-    be called from inside a patched ``forward`` without recursing. It calls the submodules (not
-    ``.weight``) so PEFT LoRA-wrapped and quantized linears keep working."""
-    return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+def module_forward(module, x):
+    """``module``'s own class ``forward`` on ``x`` (one mini-sequence): upstream's body, not a re-spelling of it.
+
+    The patched forwards start with ``if (mini_sequence_out := mini_sequence.mlp_forward(self, x)) is not None:
+    return mini_sequence_out`` (``moe_forward`` for the MoE blocks), which return None for an input of at most one
+    mini-sequence, so each chunk passed back in here runs the upstream lines below them (no flag or context
+    variable: the guard is the chunk's length). The class's function, not ``module.forward``: an instance-level
+    replacement (accelerate's hooks) already ran once around the whole call; the submodules' hooks (PEFT LoRA,
+    quantized linears) still run per chunk."""
+    return type(module).forward(module, x)
 
 
 def _chunk_bounds(seq_len: int, chunk_size: int):
@@ -146,11 +151,11 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
         return (grad_x, None, None, None, *grads_all)
 
 
-def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward_fn=gated_mlp_forward):
+def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward_fn=module_forward):
     """Apply ``mlp`` to ``hidden_states`` [..., S, d] in mini-sequences of ``chunk_size`` tokens.
 
-    Same result as ``forward_fn(mlp, hidden_states)`` (default: the upstream gated MLP
-    formula), to fp32 rounding of the weight gradients. A sequence no longer than
+    Same result as ``forward_fn(mlp, hidden_states)`` (default: the module's own upstream forward,
+    `module_forward`), to fp32 rounding of the weight gradients. A sequence no longer than
     ``chunk_size`` takes the unsplit code path unchanged.
     """
     seq_len = hidden_states.shape[-2]

@@ -14,12 +14,19 @@ from .config import FIELD_NAME, STREAMING_FIELD_NAME, validate_mini_sequence_chu
 logger = logging.get_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2")
+# mini_sequence_chunk only (MLP or MoE block, final norm, LM head + loss; patches 0002-0004, 0012): the families
+# added in 5.24.0+mst.9. Gemma-3's text model is "gemma3_text"; the multimodal "gemma3" reads text_config's field.
+MINI_SEQUENCE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + (
+    "qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss"
+)
+# Composite models whose own LM head + loss is chunked when their text config sets mini_sequence_chunk.
+TEXT_CONFIG_LM_HEAD_MODEL_TYPES = ("gemma3",)
 # State-space models: adjoint sharding; they have no MLP, so mini_sequence_chunk chunks their LM head + loss.
 ADJOINT_MODEL_TYPES = ("mamba", "falcon_mamba")
 # Each field of ours -> the model types that have its path. Set on any other model type, a field is validated,
 # saved with the config and ignored, with a warning.
 FIELD_MODEL_TYPES = {
-    FIELD_NAME: SUPPORTED_MODEL_TYPES + ADJOINT_MODEL_TYPES,
+    FIELD_NAME: MINI_SEQUENCE_MODEL_TYPES + ADJOINT_MODEL_TYPES,
     STREAMING_FIELD_NAME: SUPPORTED_MODEL_TYPES,
     CHUNK_FIELD_NAME: ADJOINT_MODEL_TYPES,
     TRUNCATION_FIELD_NAME: ADJOINT_MODEL_TYPES,
@@ -58,12 +65,13 @@ def check_model(model) -> None:
     # split, but the composite's own LM head + loss is upstream's. Say so rather than half-apply it.
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     text_value = getattr(text_config, FIELD_NAME, None)
-    if text_config is not config and text_value is not None and model_type not in SUPPORTED_MODEL_TYPES:
+    lm_head_types = MINI_SEQUENCE_MODEL_TYPES + TEXT_CONFIG_LM_HEAD_MODEL_TYPES
+    if text_config is not config and text_value is not None and model_type not in lm_head_types:
         logger.warning_once(
             f"{type(model).__name__} (model_type={model_type!r}): text_config.mini_sequence_chunk={text_value!r} "
             f"splits the language model's MLP into mini-sequences, but {type(model).__name__} computes its LM head "
             "and loss upstream's way (full [batch, seq, vocab] logits): only model types "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} chunk the LM head."
+            f"{', '.join(lm_head_types)} chunk the LM head."
         )
 
 

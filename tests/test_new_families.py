@@ -1,0 +1,334 @@
+"""`mini_sequence_chunk` on the families added in 5.24.0+mst.9 (Qwen3, Phi-3, OLMo-2, Gemma-3 text and
+Gemma3ForConditionalGeneration, Mixtral, Qwen3-MoE): the flag, and exactness against the unsplit path.
+
+Every comparison builds the same model twice from one seed, flag off (upstream path) and flag on, feeds both
+the same fresh random batch (2 rows, left padding, ignored labels), and compares the loss, the gradient of every
+parameter and of `inputs_embeds`. The families live in tiny_models.NEW_FAMILIES, not FAMILIES, so the heavy
+parametrized tests of the other files do not run them.
+"""
+
+import logging
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import run_py
+from tiny_models import COMMON, MOE_FAMILIES, NEW_FAMILIES, make_config, make_model
+from transformers.mini_sequence import lm_head_chunk_size
+
+SEQ = 40
+CHUNKS = [1, 7, SEQ - 1, SEQ + 5, "auto"]
+RTOL = 1e-5
+
+
+def batch(seed, bsz=2, seq=SEQ, high=COMMON["vocab_size"]):
+    """Random tokens, row 1 left-padded, a quarter of row 0's labels ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, high, (bsz, seq), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :6] = 0
+    labels = input_ids.clone()
+    labels[attention_mask == 0] = -100
+    labels[0, torch.randperm(seq, generator=gen)[: seq // 4]] = -100
+    return input_ids, attention_mask, labels
+
+
+def train_step(model, input_ids, attention_mask, labels, embeds=True, **kwargs):
+    """Loss, grads of all parameters (and of inputs_embeds when `embeds`), for one forward/backward."""
+    model.train()
+    if embeds:
+        inputs = {"inputs_embeds": model.get_input_embeddings()(input_ids).detach().requires_grad_()}
+    else:
+        inputs = {"input_ids": input_ids}
+    out = model(**inputs, attention_mask=attention_mask, labels=labels, **kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # Every parameter that trains gets a gradient (none lost to the chunked paths); a text-only batch leaves the
+    # multimodal model's vision tower and projector out (with images, the flag-off run's set is the reference).
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if embeds:  # the embedding's gradient is that of the detached inputs_embeds (compared), unless tied to lm_head
+        assert grads.keys() >= trained - {"model.embed_tokens.weight"}
+    else:
+        assert grads.keys() >= {n for n in trained if "vision_tower" not in n and "multi_modal_projector" not in n}
+    return out, grads, (inputs["inputs_embeds"].grad if embeds else None)
+
+
+def assert_close(actual, expected, rtol=RTOL, what=""):
+    """Relative to the tensor's own scale, so a near-zero entry does not make the check vacuous."""
+    scale = expected.abs().max().clamp_min(1e-12)
+    err = ((actual.float() - expected.float()).abs().max() / scale).item()
+    assert err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def assert_same_step(result, reference):
+    (out, grads, embed_grad), (ref, ref_grads, ref_embed_grad) = result, reference
+    assert_close(out.loss, ref.loss, what="loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    if ref_embed_grad is not None:
+        assert_close(embed_grad, ref_embed_grad, what="inputs_embeds")
+
+
+# ----------------------------------------------------------------------------- the flag
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+@pytest.mark.parametrize("bad", [0, -3, 4.0, True, "Auto"])
+def test_bad_flag_rejected_at_construction(family, bad):
+    with pytest.raises(ValueError, match=r"mini_sequence_chunk.*None, \"auto\", or a positive int"):
+        make_config(family, mini_sequence_chunk=bad)
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_flag_saved_and_not_reported_ignored(family, tmp_path, caplog):
+    assert make_config(family).mini_sequence_chunk is None
+    with caplog.at_level(logging.WARNING):
+        model = make_model(family, mini_sequence_chunk=16)
+    assert "is ignored" not in caplog.text
+    model.save_pretrained(tmp_path)
+    assert type(model).from_pretrained(tmp_path).config.mini_sequence_chunk == 16
+
+
+# One process per side, every new family in it (a process per family and side would cost ~6 s each).
+_PROBE_ALL = (
+    "import runpy, sys\n"
+    "probe, out_dir, families = sys.argv[1], sys.argv[2], sys.argv[3:]\n"
+    "for family in families:\n"
+    "    sys.argv = [probe, family, f'{out_dir}/{family}.pt']\n"
+    "    runpy.run_path(probe, run_name='__main__')\n"
+)
+
+
+def test_flag_off_bit_identical_to_pristine_upstream(pristine_tree, tmp_path):
+    """With the field unset, each new family's loss, logits and gradients (with and without checkpointing) are
+    upstream 5.24.0's bit for bit (tests/flag_off_probe.py, run against the installed package and the pristine
+    wheel)."""
+    probe = str(Path(__file__).parent / "flag_off_probe.py")
+    families = sorted(NEW_FAMILIES)
+    for side, env in (("ours", None), ("upstream", {"PYTHONPATH": str(pristine_tree)})):
+        (tmp_path / side).mkdir()
+        run_py(["-c", _PROBE_ALL, probe, str(tmp_path / side), *families], env_extra=env, check=True)
+    for family in families:
+        a, b = torch.load(tmp_path / "ours" / f"{family}.pt"), torch.load(tmp_path / "upstream" / f"{family}.pt")
+        assert b["file"].startswith(str(pristine_tree)) and a["file"] == transformers.__file__, family
+        assert torch.equal(a["loss"], b["loss"]) and torch.equal(a["logits"], b["logits"]), family
+        assert a["grads"].keys() == b["grads"].keys(), family
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name], b["grads"][name]), (family, name)
+            assert torch.equal(a["checkpointed_grads"][name], b["checkpointed_grads"][name]), (family, name)
+
+
+# ----------------------------------------------------------------------------- exactness, fp32
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+@pytest.mark.parametrize("chunk", CHUNKS, ids=str)
+def test_exact_against_unsplit(family, chunk):
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, so a failure would not reproduce.
+    inputs = batch(zlib.crc32(f"new/{family}/{chunk}".encode()) % 1000)
+    reference = train_step(make_model(family), *inputs)
+    result = train_step(make_model(family, mini_sequence_chunk=chunk), *inputs)
+    config = make_config(family)
+    num_tokens = inputs[2].numel()
+    # The chunked loss never builds the logits; a batch that is one LM-head chunk takes upstream's path.
+    lm_chunk = lm_head_chunk_size(chunk, config.hidden_size, config.vocab_size, num_tokens)
+    assert (result[0].logits is None) == (lm_chunk < num_tokens)
+    assert_same_step(result, reference)
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_exact_with_gradient_checkpointing(family):
+    inputs = batch(5)
+    results = []
+    for chunk in (None, 7):
+        model = make_model(family, mini_sequence_chunk=chunk)
+        model.activation_checkpointing_enable()
+        results.append(train_step(model, *inputs))
+    assert_same_step(results[1], results[0])
+
+
+@pytest.mark.parametrize("family", sorted(set(NEW_FAMILIES) - set(MOE_FAMILIES)) + ["qwen3_moe"])
+def test_mlp_body_runs_per_mini_sequence(family, monkeypatch):
+    """The MLP's own upstream forward runs once per chunk (nothing re-spelled): every Linear of the MLP sees at
+    most `chunk` tokens per row, and the down projection sees every token once per forward and once per backward.
+    (Qwen3-MoE's layer 0 is its dense MLP.)"""
+    chunk = 7
+    model = make_model(family, mini_sequence_chunk=chunk)
+    mlp = model.model.layers[0].mlp
+    seen = []
+    original = torch.nn.Linear.forward
+
+    def counted(linear, x):
+        if linear is mlp.down_proj:
+            seen.append(x.shape[-2])
+        return original(linear, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+    train_step(model, *batch(6))
+    assert max(seen) <= chunk and sum(seen) == 2 * SEQ
+
+
+# OLMo-2's and Gemma-3's post-feedforward norm saves the MLP's output, so the layer's recompute needs the MLP (as
+# Gemma-2's, tests/test_mini_sequence_models.py); Qwen3's and Phi-3's recompute stops before it (`_SavedInput`).
+MLP_RUNS_WITH_CHECKPOINTING = {"qwen3": 2.0, "phi3": 2.0, "olmo2": 3.0, "gemma3_text": 3.0}
+
+
+@pytest.mark.parametrize("family", sorted(MLP_RUNS_WITH_CHECKPOINTING))
+def test_checkpointing_mlp_runs_per_step(family, monkeypatch):
+    """Tokens through the first layer's down projection per token of the batch in one checkpointed step: 2 without
+    the flag (forward, recompute); with it, 2 or 3 (the mini-sequence backward rebuilds the chunks)."""
+    original = torch.nn.Linear.forward
+    runs = []
+    for chunk in (None, 7):
+        model = make_model(family, mini_sequence_chunk=chunk)
+        model.activation_checkpointing_enable()
+        down, rows = model.model.layers[0].mlp.down_proj, [0]
+
+        def counted(linear, x, down=down, rows=rows):
+            if linear is down:
+                rows[0] += x.shape[:-1].numel()
+            return original(linear, x)
+
+        monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+        input_ids, attention_mask, labels = batch(4)
+        train_step(model, input_ids, attention_mask, labels)
+        runs.append(rows[0] / input_ids.numel())
+    assert runs == [2.0, MLP_RUNS_WITH_CHECKPOINTING[family]]
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_eval_keeps_upstream_logits(family):
+    ids, mask, labels = batch(10)
+    ref = make_model(family).eval()(input_ids=ids, attention_mask=mask, labels=labels)
+    out = make_model(family, mini_sequence_chunk=7).eval()(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is not None
+    assert_close(out.logits, ref.logits, what="logits")
+    assert_close(out.loss, ref.loss, what="loss")
+
+
+# ----------------------------------------------------------------------------- Gemma-3 multimodal
+
+
+def gemma3_multimodal(seed=0, **text_overrides):
+    config = transformers.Gemma3Config(
+        text_config={**COMMON, **NEW_FAMILIES["gemma3_text"][2], **text_overrides},
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=4),
+        mm_tokens_per_image=4, image_token_index=COMMON["vocab_size"] - 1, boi_token_index=COMMON["vocab_size"] - 3,
+        eoi_token_index=COMMON["vocab_size"] - 2,
+    )
+    torch.manual_seed(seed)
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("chunk", [7, "auto"], ids=str)
+def test_gemma3_conditional_generation_text_config_flag(chunk, caplog):
+    """`text_config.mini_sequence_chunk` splits the language model's MLP and chunks the composite's own LM head +
+    loss (no softcapping there, as upstream's Gemma3ForConditionalGeneration); no 'ignored' warning."""
+    inputs = batch(zlib.crc32(f"gemma3-mm/{chunk}".encode()) % 1000, high=COMMON["vocab_size"] - 3)
+    reference = train_step(gemma3_multimodal(), *inputs, embeds=False)
+    with caplog.at_level(logging.WARNING):
+        model = gemma3_multimodal(mini_sequence_chunk=chunk)
+    assert "ignored" not in caplog.text and "upstream's way" not in caplog.text
+    result = train_step(model, *inputs, embeds=False)
+    assert (result[0].logits is None) == (chunk == 7)
+    assert_same_step(result, reference)
+
+
+# ----------------------------------------------------------------------------- MoE: the auxiliary loss
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("chunk", [1, 7, "auto"], ids=str)
+def test_moe_exact_with_router_aux_loss(family, chunk):
+    """output_router_logits=True: the loss (LM loss + 1.0 * load-balancing loss over the padded batch's mask), the
+    aux loss, each layer's router logits (whole, in upstream's (batch, position) order) and every gradient, the
+    routers' included, as the unsplit blocks give."""
+    inputs = batch(zlib.crc32(f"moe/{family}/{chunk}".encode()) % 1000)
+    reference = train_step(make_model(family), *inputs, output_router_logits=True)
+    result = train_step(make_model(family, mini_sequence_chunk=chunk), *inputs, output_router_logits=True)
+    assert_same_step(result, reference)
+    out, ref = result[0], reference[0]
+    assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
+    assert len(out.router_logits) == len(ref.router_logits) > 0
+    for layer, (logits, ref_logits) in enumerate(zip(out.router_logits, ref.router_logits)):
+        assert logits.shape == ref_logits.shape
+        assert_close(logits, ref_logits, what=f"router_logits[{layer}]")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_aux_loss_under_checkpointing(family):
+    inputs = batch(21)
+    results = []
+    for chunk in (None, 7):
+        model = make_model(family, mini_sequence_chunk=chunk)
+        model.activation_checkpointing_enable()
+        results.append(train_step(model, *inputs, output_router_logits=True))
+    assert_same_step(results[1], results[0])
+
+
+def test_moe_router_jitter_runs_the_block_unsplit(caplog):
+    """Jitter noise draws per call: chunks would draw other noise than the whole sequence, so the block runs
+    unsplit (a warning says so) and the step matches upstream's with the same seed."""
+    inputs = batch(22)
+    results = []
+    for chunk in (None, 7):
+        model = make_model("mixtral", mini_sequence_chunk=chunk, router_jitter_noise=0.1)
+        torch.manual_seed(5)
+        with caplog.at_level(logging.WARNING):
+            results.append(train_step(model, *inputs))
+    assert "router_jitter_noise=0.1 in training; the MoE blocks run unsplit" in caplog.text
+    assert_same_step(results[1], results[0])
+
+
+def test_gemma3_conditional_generation_with_images():
+    """Images in the batch (4 image tokens per row, bidirectional among themselves): the vision tower and projector
+    (upstream, unsplit) get the same gradients too."""
+    input_ids, attention_mask, labels = batch(31, high=COMMON["vocab_size"] - 3)
+    image_token = COMMON["vocab_size"] - 1
+    input_ids[:, 10:14] = image_token
+    labels[:, 10:14] = -100
+    token_type_ids = (input_ids == image_token).long()
+    pixel_values = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(31))
+    step = dict(embeds=False, pixel_values=pixel_values, token_type_ids=token_type_ids)
+    reference = train_step(gemma3_multimodal(), input_ids, attention_mask, labels, **step)
+    result = train_step(gemma3_multimodal(mini_sequence_chunk=7), input_ids, attention_mask, labels, **step)
+    assert result[0].logits is None
+    assert any("vision_tower" in name for name in reference[1])
+    assert_same_step(result, reference)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_block_runs_per_mini_sequence(family):
+    """The block's own forward runs per chunk: its router sees at most `chunk` tokens of each row at a time, every
+    token once in the forward and once in the chunk's recompute in backward (only the chunk's input was kept)."""
+    chunk = 7
+    model = make_model(family, mini_sequence_chunk=chunk)
+    block = model.model.layers[-1].mlp
+    router = block.router if hasattr(block, "router") else block.gate
+    seen = []
+    router.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+    input_ids, attention_mask, labels = batch(23)
+    train_step(model, input_ids, attention_mask, labels, output_router_logits=True)
+    bsz = input_ids.shape[0]
+    assert max(seen) <= bsz * chunk and sum(seen) == 2 * input_ids.numel()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_eval_router_logits_whole(family):
+    """Without gradients (eval under no_grad) the chunks run in a plain loop; the router logits still come back
+    whole."""
+    ids, mask, labels = batch(24)
+    with torch.no_grad():
+        ref = make_model(family).eval()(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out = make_model(family, mini_sequence_chunk=7).eval()(
+            input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True
+        )
+    assert_close(out.logits, ref.logits, what="logits")
+    assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
+    assert [r.shape for r in out.router_logits] == [r.shape for r in ref.router_logits]
+    for logits, ref_logits in zip(out.router_logits, ref.router_logits):
+        assert_close(logits, ref_logits, what="router_logits")
