@@ -65,6 +65,7 @@ from ._state import (
 )
 from .config import STREAMING_FIELD_NAME, streaming_chunk_size
 from .wrappers import check_graph_inputs, function_parameters, refuse_create_graph
+from ..streaming_backward import layer as generic
 
 
 # Decoder layers we know how to stream, by the module that defines them -> layer layout.
@@ -112,7 +113,7 @@ def applies(layer) -> bool:
         return False
     # A layer of another family (the field set on a model type without the path, from `from_pretrained` or a
     # config.json) is not streamed: the model warned at construction that the field is ignored (support.py).
-    return _layout(layer)[1] is not None
+    return _layout(layer)[1] is not None or generic.streams(layer)
 
 
 # id(mask) -> (weak reference to the mask, (its version, window and chunks), key ranges).
@@ -819,7 +820,7 @@ def _forward_with_checkpoints(streamed, x):
     return checkpoint(layer_body, x, use_reentrant=False)
 
 
-def _layer_parameters(layer):
+def _layer_parameters(layer, attention_called=False):
     """The layer's parameters that require grad if the Function may take them as inputs, else None.
 
     Checked per child module rather than on the layer: transformers installs output-capturing hooks on
@@ -827,6 +828,8 @@ def _layer_parameters(layer):
     outputs; the streamed path calls the children, never `self_attn` itself.
     """
     attn = layer.self_attn
+    if attention_called:  # the generic path calls `self_attn` itself: its hooks run (only output capturing allowed)
+        _check_attention_hooks(attn, calls_projections=False)
     modules = [child for name, child in layer.named_children() if name != "self_attn"] + list(attn.children())
     params = []
     for module in modules:
@@ -854,7 +857,7 @@ def _is_idle_zero3_hook(attn, hook) -> bool:
     )
 
 
-def _check_attention_hooks(attn) -> None:
+def _check_attention_hooks(attn, calls_projections=True) -> None:
     """The streamed path never calls `self_attn`: refuse if something other than transformers' output
     capturing (which we check separately) or an idle ZeRO-3 hook hooks it, since that hook would
     silently not run."""
@@ -864,12 +867,16 @@ def _check_attention_hooks(attn) -> None:
         for hook in hooks
         if getattr(hook, "__name__", "") != "output_capturing_hook" and not _is_idle_zero3_hook(attn, hook)
     ]
-    if foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__:
+    if calls_projections and (foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__):
         raise ValueError(
             f"{STREAMING_FIELD_NAME}: {type(attn).__name__} has hooks or a replaced forward (e.g. FSDP2 "
             "`fully_shard` on the attention module, or accelerate hooks); the streamed layer calls the attention's "
             "projections directly and those hooks would not run. Wrap whole decoder layers instead, or unset the field."
         )
+    _check_output_attentions()
+
+
+def _check_output_attentions() -> None:
     from ..utils.output_capturing import _active_collector
 
     collector = _active_collector.get()
@@ -902,7 +909,9 @@ def _check_cache_is_empty(layer, cache) -> None:
 
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward, for its signature)."""
-    cls, layout = _layout(layer)  # not None: `applies`
+    cls, layout = _layout(layer)
+    if layout is None or generic.EVERY_LAYER:  # the layer's own forward, chunk by chunk (streaming_backward/)
+        return generic.decoder_layer_forward(forward, layer, *args, **kwargs)
     bound = inspect.signature(forward).bind(layer, *args, **kwargs)
     arguments = dict(bound.arguments)
     extra = dict(arguments.pop("kwargs", {}))

@@ -14,13 +14,16 @@ from .config import FIELD_NAME, STREAMING_FIELD_NAME, validate_mini_sequence_chu
 logger = logging.get_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2")
+# streaming_backward_chunk through the generic streamed layer (streaming_backward/layer.py: the layer's own
+# forward per query chunk), tested in tests/test_streaming_families.py.
+GENERIC_STREAMING_MODEL_TYPES = ("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe")
 # State-space models: adjoint sharding; they have no MLP, so mini_sequence_chunk chunks their LM head + loss.
 ADJOINT_MODEL_TYPES = ("mamba", "falcon_mamba")
 # Each field of ours -> the model types that have its path. Set on any other model type, a field is validated,
 # saved with the config and ignored, with a warning.
 FIELD_MODEL_TYPES = {
     FIELD_NAME: SUPPORTED_MODEL_TYPES + ADJOINT_MODEL_TYPES,
-    STREAMING_FIELD_NAME: SUPPORTED_MODEL_TYPES,
+    STREAMING_FIELD_NAME: SUPPORTED_MODEL_TYPES + GENERIC_STREAMING_MODEL_TYPES,
     CHUNK_FIELD_NAME: ADJOINT_MODEL_TYPES,
     TRUNCATION_FIELD_NAME: ADJOINT_MODEL_TYPES,
 }
