@@ -1,0 +1,88 @@
+"""The generic streamed decoder layer (streaming_backward/: the layer's own forward per query chunk, its K/V met at
+the `Cache` seam) against the unsplit layer, on families the old hand-written layouts cannot stream and, with
+`EVERY_LAYER`, on the four families they do. fp32 tiny configs: loss and every gradient within 1e-5."""
+
+import zlib
+
+import pytest
+import torch
+import transformers
+from test_mini_sequence_models import assert_close, train_step
+from tiny_models import COMMON, FAMILIES, make_model
+from transformers.streaming_backward import layer as generic
+
+
+SEQ = 40
+CHUNKS = [1, 7, SEQ - 1, SEQ + 5]
+# Tiny configs of the families only the generic path streams (config class, model class, overrides of COMMON).
+GENERIC_FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),  # q/k norms
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"eos_token_id": 2, "bos_token_id": 1}),  # fused qkv_proj
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # post-norms, q/k norms over all heads
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 16}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+}
+
+
+def seed_of(*parts):
+    return zlib.crc32("/".join(map(str, parts)).encode()) % 1000
+
+
+def padded_batch(seed, seq=SEQ):
+    """Batch 2: row 1 left-padded by 6 tokens, a quarter of row 0's labels ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, COMMON["vocab_size"], (2, seq), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :6] = 0
+    labels = input_ids.clone()
+    labels[attention_mask == 0] = -100
+    labels[0, torch.randperm(seq, generator=gen)[: seq // 4]] = -100
+    return input_ids, attention_mask, labels
+
+
+def build(family, seed=0, **overrides):
+    torch.manual_seed(seed)
+    if family in FAMILIES:
+        return make_model(family, seed, **overrides)
+    config_name, model_name, extra = GENERIC_FAMILIES[family]
+    fields = {name: overrides.pop(name) for name in ("streaming_backward_chunk",) if name in overrides}
+    config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return getattr(transformers, model_name)(config)
+
+
+def compare(family, chunk, inputs, monkeypatch, **model_kwargs):
+    """Flag off vs streamed by the generic layer: same loss, every gradient, and no parameter without one."""
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    calls = []
+    real = generic.StreamedLayerFunction.apply
+    monkeypatch.setattr(generic.StreamedLayerFunction, "apply", lambda *args: calls.append(1) or real(*args))
+    results = []
+    for value in (None, chunk):
+        model = build(family, streaming_backward_chunk=value, **model_kwargs)
+        results.append(train_step(model, *inputs))
+    assert len(calls) == model.config.num_hidden_layers, "the generic streamed layer did not run"
+    (ref, ref_grads, ref_embeds), (out, grads, embeds) = results
+    assert_close(out.loss, ref.loss, what="loss")
+    # Every parameter but the input embeddings (train_step feeds inputs_embeds) has a gradient.
+    embedding = model.get_input_embeddings().weight
+    names = {name for name, p in model.named_parameters() if p.requires_grad and p is not embedding}
+    assert grads.keys() == ref_grads.keys() and names <= grads.keys(), names - grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(embeds, ref_embeds, what="inputs_embeds")
+
+
+ALL = sorted(GENERIC_FAMILIES) + sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("family", ALL)
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("chunk", CHUNKS, ids=str)
+def test_exact_left_padding_and_ignored_labels(family, implementation, chunk, monkeypatch):
+    """Batch 2: left padding on one row (a chunk holding a row that sees no key reads every key), ignored labels."""
+    compare(family, chunk, padded_batch(seed_of(family, implementation, chunk)), monkeypatch,
+            attn_implementation=implementation)
