@@ -12,7 +12,7 @@ from tiny_models import COMMON, FAMILIES, make_model
 from transformers.streaming_backward import layer as generic
 
 
-SEQ = 40
+SEQ = 24
 CHUNKS = [1, 7, SEQ - 1, SEQ + 5]
 # Tiny configs of the families only the generic path streams (config class, model class, overrides of COMMON).
 GENERIC_FAMILIES = {
@@ -79,10 +79,70 @@ def compare(family, chunk, inputs, monkeypatch, **model_kwargs):
 ALL = sorted(GENERIC_FAMILIES) + sorted(FAMILIES)
 
 
-@pytest.mark.parametrize("family", ALL)
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+# Gemma-2 has no SDPA path upstream (soft-capped attention): eager only.
+IMPLEMENTATIONS = [(f, i) for f in ALL for i in ("sdpa", "eager") if not (f == "gemma2" and i == "sdpa")]
+
+
+@pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
 @pytest.mark.parametrize("chunk", CHUNKS, ids=str)
 def test_exact_left_padding_and_ignored_labels(family, implementation, chunk, monkeypatch):
     """Batch 2: left padding on one row (a chunk holding a row that sees no key reads every key), ignored labels."""
     compare(family, chunk, padded_batch(seed_of(family, implementation, chunk)), monkeypatch,
             attn_implementation=implementation)
+
+
+def plain_batch(seed, seq=SEQ):
+    """Batch 2, no padding: the model passes no mask to SDPA (plainly causal); each chunk gets a bottom-right one."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, COMMON["vocab_size"], (2, seq), generator=gen)
+    labels = ids.clone()
+    labels[0, torch.randperm(seq, generator=gen)[: seq // 4]] = -100
+    return ids, None, labels
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "llama", "mixtral"])
+@pytest.mark.parametrize("chunk", [5, SEQ + 5], ids=str)
+def test_exact_plain_causal_sdpa(family, chunk, monkeypatch):
+    compare(family, chunk, plain_batch(seed_of(family, "plain", chunk)), monkeypatch, attn_implementation="sdpa")
+
+
+WINDOWED = {  # config overrides that give every (or every other) layer a sliding window
+    "mistral": lambda w: {"sliding_window": w},
+    "qwen2": lambda w: {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0},
+    "gemma2": lambda w: {"sliding_window": w},
+    "gemma3_text": lambda w: {"sliding_window": w, "layer_types": ["sliding_attention", "full_attention"]},
+    "qwen3": lambda w: {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0},
+    "phi3": lambda w: {"sliding_window": w},
+}
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+@pytest.mark.parametrize("window", [4, 16], ids=lambda w: f"window{w}")
+def test_exact_sliding_window(family, window, monkeypatch):
+    """Window smaller and larger than the chunk (7): a chunk reads keys from start - window + 1 only."""
+    implementation = "eager" if family == "gemma2" else "sdpa"
+    for inputs in (padded_batch(seed_of(family, window)), plain_batch(seed_of(family, window))):
+        compare(family, 7, inputs, monkeypatch, attn_implementation=implementation, **WINDOWED[family](window))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "olmo2", "qwen3_moe", "gemma2", "llama"])
+def test_exact_packed_sequences(family, monkeypatch):
+    """Padding-free packing: no mask, position_ids restart per sequence; the model's block-diagonal mask is sliced."""
+    gen = torch.Generator().manual_seed(seed_of(family, "packed"))
+    lengths = [9, 5, 10]
+    ids = torch.randint(1, COMMON["vocab_size"], (1, sum(lengths)), generator=gen)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor(lengths), 0)[:-1]] = -100
+    implementation = "eager" if family == "gemma2" else "sdpa"
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    results = []
+    for value in (None, 4):
+        model = build(family, streaming_backward_chunk=value, attn_implementation=implementation)
+        results.append(train_step(model, ids, None, labels, position_ids=position_ids))
+    (ref, ref_grads, ref_embeds), (out, grads, embeds) = results
+    assert_close(out.loss, ref.loss, what="loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(embeds, ref_embeds, what="inputs_embeds")
