@@ -146,3 +146,142 @@ def test_exact_packed_sequences(family, monkeypatch):
     for name in ref_grads:
         assert_close(grads[name], ref_grads[name], what=name)
     assert_close(embeds, ref_embeds, what="inputs_embeds")
+
+
+def tokens_per_projection(model, inputs, monkeypatch):
+    """Tokens each Linear of the first layer sees in one training step, per token of the batch (counted in
+    `nn.Linear.forward`, class level: a module hook would send the layer to the wrapper path)."""
+    rows = {}
+    original = torch.nn.Linear.forward
+
+    def counted(linear, x):
+        rows[linear] = rows.get(linear, 0) + x.shape[:-1].numel()
+        return original(linear, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+    train_step(model, *inputs)
+    monkeypatch.setattr(torch.nn.Linear, "forward", original)
+    layer = model.model.layers[0]
+    return {name: rows.get(linear, 0) / inputs[0].numel() for name, linear in layer.named_modules()
+            if isinstance(linear, torch.nn.Linear) and "experts" not in name and "gate" != name.rsplit(".", 1)[-1]}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2"])
+def test_each_projection_sees_each_token_twice(family, monkeypatch):
+    """8 chunks, no padding: forward + one recompute per token through every projection, as checkpointing."""
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    inputs = plain_batch(seed_of(family, "count"), seq=32)
+    implementation = "eager" if family == "gemma2" else "sdpa"
+    counts = tokens_per_projection(build(family, streaming_backward_chunk=4, attn_implementation=implementation),
+                                   inputs, monkeypatch)
+    assert counts and set(counts.values()) == {2.0}, counts
+    checkpointed = build(family, attn_implementation=implementation)
+    checkpointed.gradient_checkpointing_enable()
+    assert tokens_per_projection(checkpointed, inputs, monkeypatch) == counts
+
+
+def test_recomputed_keys_values_exact_and_counted(monkeypatch):
+    """KEEP_KEYS_VALUES=False (checkpointing's memory): exact; the projections before the cache see 3 passes."""
+    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", False)
+    compare("qwen3", 5, padded_batch(seed_of("recompute")), monkeypatch, attn_implementation="sdpa")
+    counts = tokens_per_projection(build("qwen3", streaming_backward_chunk=4), plain_batch(3, seq=32), monkeypatch)
+    assert counts == {"self_attn.q_proj": 3.0, "self_attn.k_proj": 3.0, "self_attn.v_proj": 3.0,
+                      "self_attn.o_proj": 2.0, "mlp.gate_proj": 2.0, "mlp.up_proj": 2.0, "mlp.down_proj": 2.0}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_wrapper_fallback_exact(family, monkeypatch):
+    """The autograd path that wrapped layers (ZeRO-3, FSDP1) take, forced in one process."""
+    from transformers.mini_sequence import streaming
+
+    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer, **kwargs: None)
+    monkeypatch.setattr(generic.StreamedLayerFunction, "apply", None)  # must not run
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    inputs = padded_batch(seed_of(family, "wrapped"))
+    results = [train_step(build(family, streaming_backward_chunk=value), *inputs) for value in (None, 7)]
+    (ref, ref_grads, _), (out, grads, _) = results
+    assert_close(out.loss, ref.loss, what="loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+
+
+def test_offloaded_input_exact(monkeypatch):
+    """activation_checkpointing_enable(offload=True): the streamed layer keeps its input in host memory."""
+    from transformers.mini_sequence import streaming
+
+    saved = []
+
+    class Recording(streaming.HostStorage):
+        def save(self, x):
+            saved.append(tuple(x.shape))
+            return super().save(x)
+
+    with streaming.use_host_storage(Recording()):
+        compare("qwen3", 7, padded_batch(seed_of("offload")), monkeypatch, attn_implementation="sdpa")
+    # compare() builds the model itself: enable offload on a fresh one and compare again.
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    inputs = padded_batch(seed_of("offload"))
+    ref = train_step(build("qwen3"), *inputs)
+    model = build("qwen3", streaming_backward_chunk=7)
+    model.activation_checkpointing_enable(offload=True)
+    with streaming.use_host_storage(Recording()):
+        out = train_step(model, *inputs)
+    assert saved == [(2, SEQ, COMMON["hidden_size"])] * 2
+    assert_close(out[0].loss, ref[0].loss, what="loss")
+    for name in ref[1]:
+        assert_close(out[1][name], ref[1][name], what=name)
+
+
+def test_attention_dropout_replayed(monkeypatch):
+    """Dropout draws replayed per chunk: the Function path equals plain autograd through the same chunks."""
+    from transformers.mini_sequence import streaming
+
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    inputs = padded_batch(31)
+    runs = {}
+    for name in ("function", "autograd", "no-dropout"):
+        with monkeypatch.context() as patch:
+            if name == "autograd":
+                patch.setattr(streaming, "_layer_parameters", lambda layer, **kwargs: None)
+            dropout = 0.0 if name == "no-dropout" else 0.3
+            model = build("qwen3", streaming_backward_chunk=7, attention_dropout=dropout)
+            torch.manual_seed(5)
+            runs[name] = train_step(model, *inputs)
+    (out, grads, embeds), (ref, ref_grads, ref_embeds) = runs["function"], runs["autograd"]
+    assert_close(out.loss, ref.loss, what="loss")
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(embeds, ref_embeds, what="inputs_embeds")
+    plain = runs["no-dropout"][1]
+    moved = max(((grads[n] - plain[n]).norm() / plain[n].norm()).item() for n in plain)
+    assert moved > 0.05, f"dropout changed the gradients by only {moved:.2e}: is it applied?"
+
+
+def test_layer_without_cache_seam_refused(monkeypatch):
+    """A layer whose attention never calls `cache.update` (linear attention...) is refused, naming its class."""
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    model = build("qwen3", streaming_backward_chunk=7)
+    attn_class = type(model.model.layers[0].self_attn)
+    real = attn_class.forward
+
+    def no_cache(self, *args, cache=None, **kwargs):
+        return real(self, *args, cache=None, **kwargs)
+
+    monkeypatch.setattr(attn_class, "forward", no_cache)
+    with pytest.raises(ValueError, match="Qwen3DecoderLayer cannot be streamed"):
+        train_step(model, *padded_batch(1))
+
+
+def test_filled_cache_and_empty_batch_refused(monkeypatch):
+    from transformers import DynamicCache
+
+    model = build("qwen3", streaming_backward_chunk=7).train()
+    ids = torch.randint(1, 100, (1, 8))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="cached tokens"):
+        model(input_ids=ids, past_key_values=cache, labels=ids)
+    with pytest.raises(ValueError, match="batch is empty"):
+        model(inputs_embeds=torch.zeros(0, 8, COMMON["hidden_size"], requires_grad=True), labels=ids[:0])

@@ -138,17 +138,20 @@ class StreamedCall:
         for index, (start, end) in enumerate(self.chunks):
             self.call(rows(start, end), index, RecordingCache(buffers, start, end, start, end, stop=True))
 
+    def forward_order(self):
+        """Chunks in the forward's order: a chunk reading every key (blind, see masks.plan_key_ranges) last."""
+        return [i for i in range(len(self.chunks)) if i not in self.blind] + sorted(self.blind)
+
     def run(self, x, record_rng=False):
         """Output of the whole layer without graph, and the K/V buffers."""
         buffers = [None, None, self.seq_len]
         out = None
         if record_rng:
             self.chunk_rng = [None] * len(self.chunks)
-        order = [i for i in range(len(self.chunks)) if i not in self.blind] + sorted(self.blind)
         for index in sorted(self.blind):  # their keys first; their outputs once every key exists
             start, end = self.chunks[index]
             self.call(x[:, start:end], index, RecordingCache(buffers, start, end, start, end, stop=True))
-        for index in order:
+        for index in self.forward_order():
             start, end = self.chunks[index]
             if record_rng:
                 self.chunk_rng[index] = capture_rng_state(x.device)
@@ -320,10 +323,11 @@ def _forward_with_checkpoints(streamed, x):
         keys = torch.cat([k for k, _ in parts], dim=2)
         values = torch.cat([v for _, v in parts], dim=2)
         del parts
-        outs = []
-        for index, (start, end) in enumerate(streamed.chunks):
+        outs = [None] * len(streamed.chunks)
+        for index in streamed.forward_order():  # the Function's order: the same dropout draws
+            start, end = streamed.chunks[index]
             kv_start, kv_end = streamed.key_ranges[index]
-            outs.append(
+            outs[index] = (
                 checkpoint(
                     chunk_output, x[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index,
                     use_reentrant=False,
