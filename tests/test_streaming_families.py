@@ -280,8 +280,8 @@ def test_filled_cache_and_empty_batch_refused(monkeypatch):
     ids = torch.randint(1, 100, (1, 8))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
     with pytest.raises(ValueError, match="cached tokens"):
-        model(input_ids=ids, past_key_values=cache, labels=ids)
+        model(input_ids=ids, cache=cache, labels=ids)
     with pytest.raises(ValueError, match="batch is empty"):
         model(inputs_embeds=torch.zeros(0, 8, COMMON["hidden_size"], requires_grad=True), labels=ids[:0])

@@ -1,4 +1,9 @@
-"""StreamBP (seed 004, §3.2.2, Fig. 2, App. C): exact streaming backward through a whole decoder layer.
+"""StreamBP (arXiv 2506.03077, §3.2.2, Fig. 2, App. C): exact streaming backward through a whole decoder layer.
+
+The hand-written Llama-like / Gemma-2 layouts below remain the path of llama, mistral, qwen2 and gemma2 until
+their CPU key slabs, FlashAttention chunks, row blocks and planner hooks are ported to the generic streamed layer
+(transformers/streaming_backward/layer.py: the layer's own forward per chunk), which every other streamed family
+takes (`decoder_layer_forward` dispatches) and which is exact on these four too (`EVERY_LAYER`).
 
 With `config.streaming_backward_chunk` set, a Llama / Mistral / Qwen2 / Gemma-2 decoder layer in
 training keeps only its input for backward (as activation checkpointing does), and its backward
