@@ -285,3 +285,33 @@ def test_filled_cache_and_empty_batch_refused(monkeypatch):
         model(input_ids=ids, cache=cache, labels=ids)
     with pytest.raises(ValueError, match="batch is empty"):
         model(inputs_embeds=torch.zeros(0, 8, COMMON["hidden_size"], requires_grad=True), labels=ids[:0])
+
+
+def test_hooked_attention_takes_the_autograd_fallback(monkeypatch):
+    """The generic layer calls `self_attn` itself, so its hooks run; a hook that may swap weights (FSDP2 on the
+    attention module, accelerate) sends the layer to the autograd fallback instead of the Function."""
+    monkeypatch.setattr(generic.StreamedLayerFunction, "apply", None)  # must not run
+    inputs = padded_batch(seed_of("hooked"))
+    ref = train_step(build("qwen3"), *inputs)
+    model = build("qwen3", streaming_backward_chunk=7)
+    seen = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda module, args: seen.append(1))
+    out = train_step(model, *inputs)
+    assert seen
+    assert_close(out[0].loss, ref[0].loss, what="loss")
+    for name in ref[1]:
+        assert_close(out[1][name], ref[1][name], what=name)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_plain_causal_sdpa_uses_the_lower_right_bias(family, monkeypatch):
+    """No mask: each chunk, forward and recompute, gets torch's lower-right causal bias (chunk, its causal prefix)."""
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.mini_sequence import streaming
+
+    calls = []
+    monkeypatch.setattr(streaming, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
+    compare(family, 7, plain_batch(seed_of(family, "bias")), monkeypatch, attn_implementation="sdpa")
+    expected = [(min(start + 7, SEQ) - start, min(start + 7, SEQ)) for start in range(0, SEQ, 7)]
+    assert sorted(calls) == sorted(expected * 2 * COMMON["num_hidden_layers"])

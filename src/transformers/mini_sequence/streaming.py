@@ -825,7 +825,7 @@ def _forward_with_checkpoints(streamed, x):
     return checkpoint(layer_body, x, use_reentrant=False)
 
 
-def _layer_parameters(layer, attention_called=False):
+def _layer_parameters(layer):
     """The layer's parameters that require grad if the Function may take them as inputs, else None.
 
     Checked per child module rather than on the layer: transformers installs output-capturing hooks on
@@ -833,8 +833,6 @@ def _layer_parameters(layer, attention_called=False):
     outputs; the streamed path calls the children, never `self_attn` itself.
     """
     attn = layer.self_attn
-    if attention_called:  # the generic path calls `self_attn` itself: its hooks run (only output capturing allowed)
-        _check_attention_hooks(attn, calls_projections=False)
     modules = [child for name, child in layer.named_children() if name != "self_attn"] + list(attn.children())
     params = []
     for module in modules:
@@ -862,17 +860,22 @@ def _is_idle_zero3_hook(attn, hook) -> bool:
     )
 
 
-def _check_attention_hooks(attn, calls_projections=True) -> None:
-    """The streamed path never calls `self_attn`: refuse if something other than transformers' output
-    capturing (which we check separately) or an idle ZeRO-3 hook hooks it, since that hook would
-    silently not run."""
+def _foreign_attention_hooks(attn) -> bool:
+    """Whether something other than transformers' output capturing or an idle ZeRO-3 hook hooks `attn`."""
     hooks = [*attn._forward_pre_hooks.values(), *attn._forward_hooks.values()]
     foreign = [
         hook
         for hook in hooks
         if getattr(hook, "__name__", "") != "output_capturing_hook" and not _is_idle_zero3_hook(attn, hook)
     ]
-    if calls_projections and (foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__):
+    return bool(foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__)
+
+
+def _check_attention_hooks(attn) -> None:
+    """The streamed path never calls `self_attn`: refuse if something other than transformers' output
+    capturing (which we check separately) or an idle ZeRO-3 hook hooks it, since that hook would
+    silently not run."""
+    if _foreign_attention_hooks(attn):
         raise ValueError(
             f"{STREAMING_FIELD_NAME}: {type(attn).__name__} has hooks or a replaced forward (e.g. FSDP2 "
             "`fully_shard` on the attention module, or accelerate hooks); the streamed layer calls the attention's "

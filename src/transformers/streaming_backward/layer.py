@@ -109,6 +109,9 @@ class StreamedCall:
         if self.window is not None and self.window >= self.seq_len:
             self.window = None  # a window longer than the sequence cuts nothing
         self.arguments = arguments
+        # No mask, no window, no dropout: torch's lower-right causal bias (no [chunk, keys] mask tensor; SDPA picks
+        # its causal kernels, aligned bottom-right) instead of a bool mask built per chunk.
+        self.causal_bias = mask is None and self.window is None and not (attn.training and getattr(attn, "attention_dropout", 0.0))
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD_NAME), config.hidden_size)
         self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
         self.key_ranges, self.blind = plan_key_ranges(mask, self.chunks, self.window, self.seq_len)
@@ -119,7 +122,9 @@ class StreamedCall:
         start, end = self.chunks[index]
         kv_start, kv_end = self.key_ranges[index]
         kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
-        kwargs["attention_mask"] = chunk_mask(self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device)
+        kwargs["attention_mask"] = chunk_mask(
+            self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
+        )
         kwargs[self.cache_name] = cache
         try:
             out = self.forward(self.layer, x_chunk, **kwargs)
@@ -368,7 +373,9 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     checks._check_cache_is_empty(layer, given)
     checks._check_output_attentions()
     streamed = StreamedCall(forward, layer, arguments, cache_name)
-    params = checks._layer_parameters(layer, attention_called=True)
+    # The attention module is called (its hooks run); hooks other than output capturing may swap its weights
+    # (FSDP2 `fully_shard` on it, accelerate): then ordinary autograd takes every gradient (the fallback).
+    params = None if checks._foreign_attention_hooks(layer.self_attn) else checks._layer_parameters(layer)
     offload = checks._offload_requested(layer)
     if params is None:
         if not offload:

@@ -65,11 +65,16 @@ def plan_key_ranges(mask, chunks, window, seq_len):
     return ranges, blind
 
 
-def chunk_mask(mask, batch, start, end, kv_start, kv_end, window, device):
+def chunk_mask(mask, batch, start, end, kv_start, kv_end, window, device, causal_bias=False):
     """Chunk [start, end)'s mask over keys [kv_start, kv_end): the slice of `mask`, or, with no mask (plainly
-    causal SDPA), the causal / sliding-window mask at the chunk's offsets (aligned bottom-right)."""
+    causal SDPA), torch's lower-right causal bias (`causal_bias`) or the causal / sliding-window mask at the
+    chunk's offsets (aligned bottom-right)."""
     if mask is not None:
         return mask[:, :, start:end, kv_start:kv_end]
+    if causal_bias:
+        from ..mini_sequence.streaming import _lower_right_causal_bias
+
+        return _lower_right_causal_bias(end - start, kv_end - kv_start)
     from ..masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
 
     mask_function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
