@@ -315,3 +315,20 @@ def test_plain_causal_sdpa_uses_the_lower_right_bias(family, monkeypatch):
     compare(family, 7, plain_batch(seed_of(family, "bias")), monkeypatch, attn_implementation="sdpa")
     expected = [(min(start + 7, SEQ) - start, min(start + 7, SEQ)) for start in range(0, SEQ, 7)]
     assert sorted(calls) == sorted(expected * 2 * COMMON["num_hidden_layers"])
+
+
+def test_router_logits_in_training_refused():
+    """Mixtral's auxiliary loss reads router logits captured inside the layer: per chunk and without graph here."""
+    model = build("mixtral", streaming_backward_chunk=7, output_router_logits=True).train()
+    ids = torch.randint(1, 100, (1, 12))
+    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
+        model(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_bf16_as_accurate_as_upstream(family, monkeypatch):
+    """bf16 through the generic layer (dK/dV and parameter gradients summed in fp32) is as accurate as upstream bf16."""
+    from test_streaming import assert_bf16_as_accurate_as_upstream
+
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    assert_bf16_as_accurate_as_upstream(family, streaming_backward_chunk=9)

@@ -130,14 +130,20 @@ class StreamedCall:
             out = self.forward(self.layer, x_chunk, **kwargs)
         except StopAfterKeysValues:
             return None
-        finally:
-            if not cache.updated:
-                raise ValueError(
-                    f"{STREAMING_FIELD_NAME}: {type(self.layer).__name__} cannot be streamed: its attention never "
-                    "called the cache's `update` with its keys and values (e.g. linear attention or a layer that "
-                    "ignores the cache). Unset the field for this model."
-                )
+        except Exception as error:
+            if not cache.updated:  # e.g. the chunk's mask did not fit keys that never went through the cache
+                raise self._not_streamable() from error
+            raise
+        if not cache.updated:
+            raise self._not_streamable()
         return out[0] if isinstance(out, tuple) else out
+
+    def _not_streamable(self):
+        return ValueError(
+            f"{STREAMING_FIELD_NAME}: {type(self.layer).__name__} cannot be streamed: its attention never called the "
+            "cache's `update` with its keys and values (e.g. linear attention or a layer that ignores the cache). "
+            "Unset the field for this model."
+        )
 
     def keys_values_only(self, rows, buffers):
         for index, (start, end) in enumerate(self.chunks):
@@ -352,6 +358,21 @@ class _KeysValuesOnly(FixedCache):
         raise StopAfterKeysValues
 
 
+def _check_captured_outputs(layer) -> None:
+    """Outputs that transformers captures inside the layer (attentions, MoE router logits: hooks on submodules)
+    would be captured once per chunk, without graph: refused. Hidden states are captured around the layer: fine."""
+    from ..utils.output_capturing import _active_collector
+
+    collector = _active_collector.get()
+    inside = sorted(key for key in (collector or {}) if key not in ("hidden_states", "_hidden_states_layers"))
+    if inside:
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME}: output_{inside[0]}=True is not supported in training with streaming backward "
+            f"({type(layer).__name__} runs query chunk by query chunk, without graph in its forward: no whole "
+            f"{inside[0]} tensor with gradients exists). Request them in eval mode, or unset the field."
+        )
+
+
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward)."""
     from ..mini_sequence import streaming as checks
@@ -371,7 +392,7 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     given = [arguments.pop(name, None) for name in ("cache", "past_key_values")]
     given = next((c for c in given if c is not None), None)
     checks._check_cache_is_empty(layer, given)
-    checks._check_output_attentions()
+    _check_captured_outputs(layer)
     streamed = StreamedCall(forward, layer, arguments, cache_name)
     # The attention module is called (its hooks run); hooks other than output capturing may swap its weights
     # (FSDP2 `fully_shard` on it, accelerate): then ordinary autograd takes every gradient (the fallback).

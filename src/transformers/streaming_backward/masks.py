@@ -6,6 +6,8 @@ chunk gets a causal (or sliding-window) mask aligned bottom-right, built by `mas
 the chunk's offsets: SDPA's own `is_causal` aligns top-left and would be wrong for every chunk after the first.
 """
 
+import weakref
+
 import torch
 
 from ..mini_sequence.config import STREAMING_FIELD_NAME
@@ -45,6 +47,11 @@ def plan_key_ranges(mask, chunks, window, seq_len):
     row that sees no key at all (a left-padding position) reads the whole sequence with its full mask rows, as the
     unsplit layer does (eager softmax over an all-masked row is uniform over every key, and with left padding the
     last padding position predicts the first real label)."""
+    key = (window, tuple(chunks), seq_len)
+    if mask is not None:
+        cached = _RANGES_CACHE.get(id(mask))
+        if cached is not None and cached[0]() is mask and cached[1] == (mask._version, key):
+            return cached[2]  # the layers share one mask per forward: read once, not per layer
     ranges, blind = [], set()
     for index, (start, end) in enumerate(chunks):
         kv_start = window_start(window, start)
@@ -62,7 +69,15 @@ def plan_key_ranges(mask, chunks, window, seq_len):
             kv_start, end = 0, seq_len
             blind.add(index)
         ranges.append((kv_start, end))
+    if mask is not None:
+        for stale in [k for k, (ref, *_) in _RANGES_CACHE.items() if ref() is None]:
+            del _RANGES_CACHE[stale]
+        _RANGES_CACHE[id(mask)] = (weakref.ref(mask), (mask._version, key), (ranges, blind))
     return ranges, blind
+
+
+# id(mask) -> (weak reference to the mask, (its version, window, chunks, length), (key ranges, blind chunks)).
+_RANGES_CACHE = {}
 
 
 def chunk_mask(mask, batch, start, end, kv_start, kv_end, window, device, causal_bias=False):
