@@ -1,4 +1,9 @@
-"""StreamBP (seed 004, §3.2.2, Fig. 2, App. C): exact streaming backward through a whole decoder layer.
+"""StreamBP (arXiv 2506.03077, §3.2.2, Fig. 2, App. C): exact streaming backward through a whole decoder layer.
+
+The hand-written Llama-like / Gemma-2 layouts below remain the path of llama, mistral, qwen2 and gemma2 until
+their CPU key slabs, FlashAttention chunks, row blocks and planner hooks are ported to the generic streamed layer
+(transformers/streaming_backward/layer.py: the layer's own forward per chunk), which every other streamed family
+takes (`decoder_layer_forward` dispatches) and which is exact on these four too (`EVERY_LAYER`).
 
 With `config.streaming_backward_chunk` set, a Llama / Mistral / Qwen2 / Gemma-2 decoder layer in
 training keeps only its input for backward (as activation checkpointing does), and its backward
@@ -50,7 +55,6 @@ import bisect
 import contextlib
 import inspect
 import sys
-import weakref
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
@@ -65,6 +69,8 @@ from ._state import (
 )
 from .config import STREAMING_FIELD_NAME, streaming_chunk_size
 from .wrappers import check_graph_inputs, function_parameters, refuse_create_graph
+from ..streaming_backward import layer as generic
+from ..streaming_backward.masks import plan_key_ranges, sliding_window, window_start
 
 
 # Decoder layers we know how to stream, by the module that defines them -> layer layout.
@@ -112,18 +118,7 @@ def applies(layer) -> bool:
         return False
     # A layer of another family (the field set on a model type without the path, from `from_pretrained` or a
     # config.json) is not streamed: the model warned at construction that the field is ignored (support.py).
-    return _layout(layer)[1] is not None
-
-
-# id(mask) -> (weak reference to the mask, (its version, window and chunks), key ranges).
-_RANGES_CACHE = {}
-
-
-def _sliding_window(attn):
-    # Qwen2 and Gemma-2 set it per layer type; Mistral applies config.sliding_window to every layer.
-    if hasattr(attn, "sliding_window"):
-        return attn.sliding_window
-    return getattr(attn.config, "sliding_window", None)
+    return _layout(layer)[1] is not None or generic.streams(layer)
 
 
 def _lower_right_causal_bias(q_len: int, kv_len: int):
@@ -138,22 +133,6 @@ def _rope(states, cos, sin, rotate_half):
     # The family's apply_rotary_pos_emb, for one tensor (q or k) at a time.
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return states * cos + rotate_half(states) * sin
-
-
-def _allowed(mask_part: torch.Tensor) -> torch.Tensor:
-    """Where a (bool or additive float) mask lets a query see a key."""
-    if mask_part.dtype == torch.bool:
-        return mask_part
-    return mask_part > torch.finfo(mask_part.dtype).min / 2
-
-
-def _mask_allows(mask_part: torch.Tensor) -> bool:
-    return mask_part.numel() > 0 and bool(_allowed(mask_part).any())
-
-
-def _has_blind_row(mask_rows: torch.Tensor) -> bool:
-    """Whether some query row of the mask allows no key at all."""
-    return not bool(_allowed(mask_rows).any(dim=-1).all())
 
 
 class HostStorage:
@@ -259,7 +238,7 @@ class _StreamedLayer:
                 )
         self.mask = attention_mask
         self.cos, self.sin = position_embeddings
-        self.window = _sliding_window(attn)
+        self.window = sliding_window(attn)
         self.batch, self.seq_len = batch, seq_len
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD_NAME), config.hidden_size)
         self.chunks = [(start, min(start + chunk, seq_len)) for start in range(0, seq_len, chunk)]
@@ -307,9 +286,7 @@ class _StreamedLayer:
 
     def _window_start(self, start: int) -> int:
         """First key a query chunk starting at `start` can see: 0, or the sliding window's first key."""
-        if self.window is None:
-            return 0
-        return max(0, start - self.window + 1)
+        return window_start(self.window, start)
 
     def _packed_sequence_starts(self, batch: int):
         """Where the packed sequences start, as upstream's FlashAttention path would split the batch: none with a
@@ -402,35 +379,7 @@ class _StreamedLayer:
         if self.mask is None and self.attn.config._attn_implementation == "eager":
             # Upstream's eager attention with no mask attends to every key, future ones included.
             raise ValueError(f"{STREAMING_FIELD_NAME}: eager attention was called without a mask (bidirectional).")
-        key = (self.window, tuple(self.chunks))
-        cached = _RANGES_CACHE.get(id(self.mask))
-        if cached is not None and cached[0]() is self.mask and cached[1] == (self.mask._version, key):
-            # the layers share one mask per forward: checked once, not per layer
-            self.key_ranges, self.blind_chunks = cached[2]
-            return
-        self.key_ranges, self.blind_chunks = [], set()
-        for start, end in self.chunks:
-            kv_start = self._window_start(start)
-            if self.mask is None:
-                self.key_ranges.append((kv_start, end))
-                continue
-            rows = self.mask[:, :, start:end]
-            if _mask_allows(rows[..., end:]) or _mask_allows(rows[..., :kv_start]):
-                raise ValueError(
-                    f"{STREAMING_FIELD_NAME}: the attention mask lets query tokens {start}..{end - 1} see keys outside "
-                    f"their causal prefix [{kv_start}, {end}); streaming backward supports causal (and sliding-window) "
-                    "masks only. Unset the field for this model."
-                )
-            if _has_blind_row(rows[..., kv_start:end]):
-                kv_start, end = 0, self.seq_len
-                self.blind_chunks.add(len(self.key_ranges))
-            self.key_ranges.append((kv_start, end))
-        if self.mask is not None:
-            for stale in [k for k, (ref, *_) in _RANGES_CACHE.items() if ref() is None]:
-                del _RANGES_CACHE[stale]
-            _RANGES_CACHE[id(self.mask)] = (
-                weakref.ref(self.mask), (self.mask._version, key), (self.key_ranges, self.blind_chunks)
-            )
+        self.key_ranges, self.blind_chunks = plan_key_ranges(self.mask, self.chunks, self.window, self.seq_len)
 
     def slabs(self, index: int):
         """Chunk `index`'s key range in slabs for `_SlabbedAttention`: (first, end, causal) relative to the range's
@@ -854,22 +803,31 @@ def _is_idle_zero3_hook(attn, hook) -> bool:
     )
 
 
-def _check_attention_hooks(attn) -> None:
-    """The streamed path never calls `self_attn`: refuse if something other than transformers' output
-    capturing (which we check separately) or an idle ZeRO-3 hook hooks it, since that hook would
-    silently not run."""
+def _foreign_attention_hooks(attn) -> bool:
+    """Whether something other than transformers' output capturing or an idle ZeRO-3 hook hooks `attn`."""
     hooks = [*attn._forward_pre_hooks.values(), *attn._forward_hooks.values()]
     foreign = [
         hook
         for hook in hooks
         if getattr(hook, "__name__", "") != "output_capturing_hook" and not _is_idle_zero3_hook(attn, hook)
     ]
-    if foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__:
+    return bool(foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__)
+
+
+def _check_attention_hooks(attn) -> None:
+    """The streamed path never calls `self_attn`: refuse if something other than transformers' output
+    capturing (which we check separately) or an idle ZeRO-3 hook hooks it, since that hook would
+    silently not run."""
+    if _foreign_attention_hooks(attn):
         raise ValueError(
             f"{STREAMING_FIELD_NAME}: {type(attn).__name__} has hooks or a replaced forward (e.g. FSDP2 "
             "`fully_shard` on the attention module, or accelerate hooks); the streamed layer calls the attention's "
             "projections directly and those hooks would not run. Wrap whole decoder layers instead, or unset the field."
         )
+    _check_output_attentions()
+
+
+def _check_output_attentions() -> None:
     from ..utils.output_capturing import _active_collector
 
     collector = _active_collector.get()
@@ -902,7 +860,9 @@ def _check_cache_is_empty(layer, cache) -> None:
 
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward, for its signature)."""
-    cls, layout = _layout(layer)  # not None: `applies`
+    cls, layout = _layout(layer)
+    if layout is None or generic.EVERY_LAYER:  # the layer's own forward, chunk by chunk (streaming_backward/)
+        return generic.decoder_layer_forward(forward, layer, *args, **kwargs)
     bound = inspect.signature(forward).bind(layer, *args, **kwargs)
     arguments = dict(bound.arguments)
     extra = dict(arguments.pop("kwargs", {}))

@@ -21,13 +21,16 @@ MINI_SEQUENCE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + (
 )
 # Composite models whose own LM head + loss is chunked when their text config sets mini_sequence_chunk.
 TEXT_CONFIG_LM_HEAD_MODEL_TYPES = ("gemma3",)
+# streaming_backward_chunk through the generic streamed layer (streaming_backward/layer.py: the layer's own
+# forward per query chunk), tested in tests/test_streaming_families.py.
+GENERIC_STREAMING_MODEL_TYPES = ("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe")
 # State-space models: adjoint sharding; they have no MLP, so mini_sequence_chunk chunks their LM head + loss.
 ADJOINT_MODEL_TYPES = ("mamba", "falcon_mamba")
 # Each field of ours -> the model types that have its path. Set on any other model type, a field is validated,
 # saved with the config and ignored, with a warning.
 FIELD_MODEL_TYPES = {
     FIELD_NAME: MINI_SEQUENCE_MODEL_TYPES + ADJOINT_MODEL_TYPES,
-    STREAMING_FIELD_NAME: SUPPORTED_MODEL_TYPES,
+    STREAMING_FIELD_NAME: SUPPORTED_MODEL_TYPES + GENERIC_STREAMING_MODEL_TYPES,
     CHUNK_FIELD_NAME: ADJOINT_MODEL_TYPES,
     TRUNCATION_FIELD_NAME: ADJOINT_MODEL_TYPES,
 }

@@ -1,0 +1,410 @@
+"""A decoder layer's own forward, streamed query chunk by query chunk (StreamBP, arXiv 2506.03077 §3.2.2, Fig. 2).
+
+Nothing of a family's arithmetic is re-spelled here: each chunk runs the layer class's `forward` (upstream's code)
+on x[:, start:end] with the exact slice of the mask and of the position embeddings, and a cache object of ours
+(cache.py) where its attention calls `cache.update(k, v, ...)`: the one place a chunk's keys/values meet the
+earlier tokens'. So any family whose attention uses that seam streams (q/k norms, fused qkv, sandwich norms, MoE
+blocks, ...), and a rebase sees upstream's layer changes.
+
+Forward (no graph): chunk by chunk, the recording cache writes the chunk's K/V (after K-norm and RoPE, before
+repeat_kv) into full-sequence buffers and returns K/V[kv_start:end]. The layer input is saved for backward (as
+checkpointing saves it) and, with `KEEP_KEYS_VALUES` (default), the forward's K/V too.
+
+Backward (one autograd Function), chunks from the last to the first. Chunk i is recomputed once, with graph, with
+a cache that returns cat(K[kv_start:start] as detached leaves, k_i); then ONE `autograd.grad` over
+[out_i, k_i, v_i] with [dOut_i, dK[start:end], dV[start:end]]: the rows' dK/dV summed from later chunks flow
+back through the layer's own K/V projections, norms and RoPE in the same backward, and the leaves' gradients
+are added into dK/dV[kv_start:start]. Every projection thus sees each token twice per step (forward and one
+recompute), as under checkpointing, and chunk i reads only keys before its end.
+
+A chunk holding a query row that sees no key (a left-padding position) reads the whole sequence, as the unsplit
+layer does (masks.plan_key_ranges): in the forward it first only records its K/V (the layer stops at the cache,
+`StopAfterKeysValues`) and runs once every key exists; in the backward its output is backpropagated first
+(every key a leaf), its own K/V at its turn (the layer stopped at the cache again). Only such chunks cost one
+more pass through the projections before the cache.
+
+`KEEP_KEYS_VALUES = False` keeps only the layer input (checkpointing's memory) and recomputes K/V in backward
+with the layer stopped at the cache: the projections before the cache (q, k, v) then see each token 3 times.
+"""
+
+import inspect
+
+import torch
+
+from ..mini_sequence._state import (
+    accumulate_grads,
+    capture_autocast_state,
+    capture_rng_state,
+    restore_autocast_state,
+    restore_rng_state,
+)
+from ..mini_sequence.config import STREAMING_FIELD_NAME, streaming_chunk_size
+from ..mini_sequence.wrappers import check_graph_inputs, refuse_create_graph
+from .cache import BackwardCache, FixedCache, RecordingCache, StopAfterKeysValues
+from .masks import chunk_mask, plan_key_ranges, sliding_window
+
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+# Keep the forward's K/V for the backward (2 passes per token through every projection) instead of recomputing
+# them (memory of checkpointing, 3 passes through the projections before the cache). See the module docstring.
+KEEP_KEYS_VALUES = True
+# Route the layouts mini_sequence/streaming.py still spells out (Llama-like, Gemma-2) through this path too.
+EVERY_LAYER = False
+
+
+def streams(layer) -> bool:
+    """Whether this path streams `layer` (its model type was tested with it; support.py lists them)."""
+    from ..mini_sequence.support import GENERIC_STREAMING_MODEL_TYPES
+
+    config = getattr(getattr(layer, "self_attn", None), "config", None)
+    return getattr(config, "model_type", None) in GENERIC_STREAMING_MODEL_TYPES
+
+
+def _slice_rows(value, start, end, seq_len):
+    """`value` (a tensor or tuple of tensors) cut to rows [start, end) along dim 1 where dim 1 is the sequence."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_slice_rows(v, start, end, seq_len) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
+        return value[:, start:end]
+    return value
+
+
+class StreamedCall:
+    """One call of a decoder layer, split into query chunks."""
+
+    def __init__(self, forward, layer, arguments, cache_name):
+        self.forward, self.layer, self.cache_name = forward, layer, cache_name
+        attn = layer.self_attn
+        config = attn.config
+        hidden_states = arguments.pop("hidden_states")
+        self.batch, self.seq_len = hidden_states.shape[:2]
+        implementation = config._attn_implementation
+        if implementation not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"{STREAMING_FIELD_NAME} is set but {type(layer).__name__} uses attn_implementation={implementation!r}; "
+                f"the streamed layer runs offset query chunks only with {SUPPORTED_ATTENTION}. Load the model with one "
+                "of them, or unset the field."
+            )
+        if not getattr(attn, "is_causal", True):
+            raise ValueError(
+                f"{STREAMING_FIELD_NAME} needs causal attention (each query chunk reads only earlier keys); "
+                f"{type(attn).__name__} is bidirectional here. Unset the field."
+            )
+        mask = arguments.pop("attention_mask", None)
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: the decoder layer got an attention mask of type {type(mask).__name__} "
+                    f"(shape {getattr(mask, 'shape', None)}); streaming slices a 4D [batch, 1, query, key] mask per "
+                    "chunk and supports no other kind."
+                )
+            if tuple(mask.shape[-2:]) != (self.seq_len, self.seq_len):
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: the 4D attention mask covers {tuple(mask.shape[-2:])} (query, key) "
+                    f"positions for a sequence of {self.seq_len}; a KV cache or prefix is not supported."
+                )
+        elif implementation == "eager":
+            raise ValueError(f"{STREAMING_FIELD_NAME}: eager attention was called without a mask (bidirectional).")
+        self.mask, self.window, self.device = mask, sliding_window(attn), hidden_states.device
+        if self.window is not None and self.window >= self.seq_len:
+            self.window = None  # a window longer than the sequence cuts nothing
+        self.arguments = arguments
+        # No mask, no window, no dropout: torch's lower-right causal bias (no [chunk, keys] mask tensor; SDPA picks
+        # its causal kernels, aligned bottom-right) instead of a bool mask built per chunk.
+        self.causal_bias = mask is None and self.window is None and not (attn.training and getattr(attn, "attention_dropout", 0.0))
+        chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD_NAME), config.hidden_size)
+        self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
+        self.key_ranges, self.blind = plan_key_ranges(mask, self.chunks, self.window, self.seq_len)
+        self.chunk_rng = None
+
+    def call(self, x_chunk, index, cache):
+        """The layer's own forward on chunk `index` (rows of `x_chunk`), its attention meeting `cache`."""
+        start, end = self.chunks[index]
+        kv_start, kv_end = self.key_ranges[index]
+        kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
+        kwargs["attention_mask"] = chunk_mask(
+            self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
+        )
+        kwargs[self.cache_name] = cache
+        try:
+            out = self.forward(self.layer, x_chunk, **kwargs)
+        except StopAfterKeysValues:
+            return None
+        except Exception as error:
+            if not cache.updated:  # e.g. the chunk's mask did not fit keys that never went through the cache
+                raise self._not_streamable() from error
+            raise
+        if not cache.updated:
+            raise self._not_streamable()
+        return out[0] if isinstance(out, tuple) else out
+
+    def _not_streamable(self):
+        return ValueError(
+            f"{STREAMING_FIELD_NAME}: {type(self.layer).__name__} cannot be streamed: its attention never called the "
+            "cache's `update` with its keys and values (e.g. linear attention or a layer that ignores the cache). "
+            "Unset the field for this model."
+        )
+
+    def keys_values_only(self, rows, buffers):
+        for index, (start, end) in enumerate(self.chunks):
+            self.call(rows(start, end), index, RecordingCache(buffers, start, end, start, end, stop=True))
+
+    def forward_order(self):
+        """Chunks in the forward's order: a chunk reading every key (blind, see masks.plan_key_ranges) last."""
+        return [i for i in range(len(self.chunks)) if i not in self.blind] + sorted(self.blind)
+
+    def run(self, x, record_rng=False):
+        """Output of the whole layer without graph, and the K/V buffers."""
+        buffers = [None, None, self.seq_len]
+        out = None
+        if record_rng:
+            self.chunk_rng = [None] * len(self.chunks)
+        for index in sorted(self.blind):  # their keys first; their outputs once every key exists
+            start, end = self.chunks[index]
+            self.call(x[:, start:end], index, RecordingCache(buffers, start, end, start, end, stop=True))
+        for index in self.forward_order():
+            start, end = self.chunks[index]
+            if record_rng:
+                self.chunk_rng[index] = capture_rng_state(x.device)
+            cache = RecordingCache(buffers, start, end, *self.key_ranges[index])
+            chunk_out = self.call(x[:, start:end], index, cache)
+            if out is None:
+                out = chunk_out.new_empty(x.shape[:2] + chunk_out.shape[2:])
+            out[:, start:end].copy_(chunk_out)
+            del chunk_out
+        return out, buffers[0], buffers[1]
+
+
+class _SavedRows:
+    def __init__(self, saved, offloaded):
+        self.saved, self.offloaded = saved, offloaded
+
+    def rows(self, start, end):
+        return self.saved.rows(start, end) if self.offloaded else self.saved[:, start:end]
+
+
+class StreamedLayerFunction(torch.autograd.Function):
+    """Inputs: x [B, S, d], the `StreamedCall`, whether to keep x in host memory, the layer's parameters that require
+    grad (plain leaf parameters: mini_sequence/wrappers.py). Saves x (and the forward's K/V with KEEP_KEYS_VALUES)."""
+
+    @staticmethod
+    def forward(ctx, x, streamed, offload, *params):
+        from ..mini_sequence.streaming import _SavedInput
+
+        ctx.autocast_state = capture_autocast_state(x.device.type)
+        ctx.streamed, ctx.params = streamed, params
+        if offload:
+            ctx.saved_input = _SavedInput(x, offload=True)
+        else:
+            ctx.save_for_backward(x)
+            ctx.saved_input = None
+        out, keys, values = streamed.run(x, record_rng=True)
+        ctx.keys_values = (keys, values) if KEEP_KEYS_VALUES else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        refuse_create_graph("streaming backward", STREAMING_FIELD_NAME)
+        if ctx.saved_input is not None:
+            x = _SavedRows(ctx.saved_input, True)
+        else:
+            x = _SavedRows(ctx.saved_tensors[0], False)
+        streamed, params = ctx.streamed, ctx.params
+        needs_x = ctx.needs_input_grad[0]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
+        acc = [None] * len(wanted)
+        device = grad_out.device
+        with restore_autocast_state(ctx.autocast_state):
+            if ctx.keys_values is not None:
+                keys, values = ctx.keys_values
+                ctx.keys_values = None
+            else:
+                buffers = [None, None, streamed.seq_len]
+                with torch.no_grad():
+                    streamed.keys_values_only(x.rows, buffers)
+                keys, values = buffers[0], buffers[1]
+            sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
+            grad_keys = torch.zeros(keys.shape, dtype=sum_dtype, device=keys.device)
+            grad_values = torch.zeros(values.shape, dtype=sum_dtype, device=values.device)
+            grad_x = None
+            checked = []
+
+            def chunk_backward(index, make_cache, outputs_of):
+                """Recompute chunk `index` with graph (its cache from `make_cache`), backpropagate `outputs_of(out,
+                cache)` -> (outputs, their gradients); add the leaves' gradients into dK/dV."""
+                nonlocal grad_x
+                start, end = streamed.chunks[index]
+                with restore_rng_state(streamed.chunk_rng[index], device), torch.enable_grad():
+                    x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
+                    cache = make_cache()
+                    out = streamed.call(x_chunk, index, cache)
+                    outputs, grads_out, leaves = outputs_of(out, cache)
+                    if not checked and out is not None:
+                        for tensor in outputs:
+                            check_graph_inputs(tensor, [x_chunk, *leaves, *params], "streaming backward")
+                        checked.append(True)
+                    inputs = [*leaves, *([x_chunk] if needs_x else []), *wanted]
+                    grads = torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True)
+                    del out, outputs, cache
+                leaf_grads, grads = grads[: len(leaves)], grads[len(leaves) :]
+                if needs_x:
+                    if grads[0] is not None:
+                        if grad_x is None:
+                            grad_x = torch.zeros(grad_out.shape[:2] + (grads[0].shape[-1],), dtype=grads[0].dtype, device=device)
+                        grad_x[:, start:end] += grads[0]
+                    grads = grads[1:]
+                accumulate_grads(acc, grads)
+                return leaf_grads
+
+            def k_v_grads(start, end, dtype):
+                return grad_keys[:, :, start:end].to(dtype), grad_values[:, :, start:end].to(dtype)
+
+            # Chunks holding a blind query row: their outputs first, every key of their range a leaf.
+            for index in sorted(streamed.blind):
+                start, end = streamed.chunks[index]
+                kv_start, kv_end = streamed.key_ranges[index]
+
+                def blind_outputs(out, cache, start=start, end=end):
+                    return [out], [grad_out[:, start:end]], cache.leaves
+
+                leaf_grads = chunk_backward(
+                    index,
+                    lambda s=start, e=end, ks=kv_start, ke=kv_end: BackwardCache(keys, values, s, e, ks, ke, own_as_leaf=True),
+                    blind_outputs,
+                )
+                for total, part in zip((grad_keys, grad_values), leaf_grads):
+                    if part is not None:
+                        total[:, :, kv_start:kv_end] += part
+            for index in reversed(range(len(streamed.chunks))):
+                start, end = streamed.chunks[index]
+                kv_start, kv_end = streamed.key_ranges[index]
+                if index in streamed.blind:
+                    # Its own K/V rows, now final: the layer stopped at the cache.
+                    def own_keys_values(out, cache, start=start, end=end):
+                        dk, dv = k_v_grads(start, end, cache.keys.dtype)
+                        return [cache.keys, cache.values], [dk, dv], []
+
+                    chunk_backward(
+                        index,
+                        lambda s=start, e=end: BackwardCache(keys, values, s, e, s, e, stop=True),
+                        own_keys_values,
+                    )
+                    continue
+
+                def outputs(out, cache, start=start, end=end):
+                    dk, dv = k_v_grads(start, end, cache.keys.dtype)
+                    return [out, cache.keys, cache.values], [grad_out[:, start:end], dk, dv], cache.before or []
+
+                leaf_grads = chunk_backward(
+                    index, lambda s=start, e=end, ks=kv_start, ke=kv_end: BackwardCache(keys, values, s, e, ks, ke), outputs
+                )
+                for total, part in zip((grad_keys, grad_values), leaf_grads):
+                    if part is not None:
+                        total[:, :, kv_start:start] += part
+            del keys, values, grad_keys, grad_values
+
+        for total, param in zip(acc, wanted):
+            if total is None:
+                raise RuntimeError(
+                    f"streaming backward: a parameter of shape {tuple(param.shape)} that requires grad got no gradient "
+                    f"from {type(streamed.layer).__name__}'s recomputation; refusing to return a missing gradient."
+                )
+        if needs_x and grad_x is not None:
+            grad_x = grad_x.to(ctx.saved_input.dtype if ctx.saved_input is not None else grad_x.dtype)
+        param_grads = iter(total.to(p.dtype) for total, p in zip(acc, wanted))
+        all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[3:]]
+        return (grad_x, None, None, *all_grads)
+
+
+def _forward_with_checkpoints(streamed, x):
+    """Autograd fallback for layers whose weights a wrapper may swap (ZeRO-3, FSDP1: mini_sequence/wrappers.py): the
+    layer checkpointed as a whole; inside, K/V of every chunk (layer stopped at the cache), then each chunk's
+    output under its own checkpoint, reading those K/V. Every gradient goes through ordinary autograd."""
+    from torch.utils.checkpoint import checkpoint
+
+    def chunk_output(x_chunk, keys, values, index):
+        return streamed.call(x_chunk, index, FixedCache(keys, values))
+
+    def layer_body(x):
+        parts = []
+        for index, (start, end) in enumerate(streamed.chunks):
+            cache = _KeysValuesOnly()
+            streamed.call(x[:, start:end], index, cache)
+            parts.append((cache.keys, cache.values))
+        keys = torch.cat([k for k, _ in parts], dim=2)
+        values = torch.cat([v for _, v in parts], dim=2)
+        del parts
+        outs = [None] * len(streamed.chunks)
+        for index in streamed.forward_order():  # the Function's order: the same dropout draws
+            start, end = streamed.chunks[index]
+            kv_start, kv_end = streamed.key_ranges[index]
+            outs[index] = (
+                checkpoint(
+                    chunk_output, x[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index,
+                    use_reentrant=False,
+                )
+            )
+        return torch.cat(outs, dim=1)
+
+    return checkpoint(layer_body, x, use_reentrant=False)
+
+
+class _KeysValuesOnly(FixedCache):
+    def __init__(self):
+        super().__init__(None, None)
+
+    def _update(self, keys, values):
+        self.keys, self.values = keys, values
+        raise StopAfterKeysValues
+
+
+def _check_captured_outputs(layer) -> None:
+    """Outputs that transformers captures inside the layer (attentions, MoE router logits: hooks on submodules)
+    would be captured once per chunk, without graph: refused. Hidden states are captured around the layer: fine."""
+    from ..utils.output_capturing import _active_collector
+
+    collector = _active_collector.get()
+    inside = sorted(key for key in (collector or {}) if key not in ("hidden_states", "_hidden_states_layers"))
+    if inside:
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME}: output_{inside[0]}=True is not supported in training with streaming backward "
+            f"({type(layer).__name__} runs query chunk by query chunk, without graph in its forward: no whole "
+            f"{inside[0]} tensor with gradients exists). Request them in eval mode, or unset the field."
+        )
+
+
+def decoder_layer_forward(forward, layer, *args, **kwargs):
+    """Streamed training forward of `layer` (`forward` is the layer class's own forward)."""
+    from ..mini_sequence import streaming as checks
+
+    signature = inspect.signature(forward)
+    bound = signature.bind(layer, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(signature.parameters)))  # self
+    arguments.update(arguments.pop("kwargs", {}))
+    hidden_states = arguments["hidden_states"]
+    if hidden_states.shape[0] == 0 or hidden_states.shape[1] == 0:
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME}: the batch is empty (hidden_states of shape {tuple(hidden_states.shape)}); "
+            "a training step needs at least one sequence of at least one token."
+        )
+    cache_name = "cache" if "cache" in signature.parameters else "past_key_values"
+    given = [arguments.pop(name, None) for name in ("cache", "past_key_values")]
+    given = next((c for c in given if c is not None), None)
+    checks._check_cache_is_empty(layer, given)
+    _check_captured_outputs(layer)
+    streamed = StreamedCall(forward, layer, arguments, cache_name)
+    # The attention module is called (its hooks run); hooks other than output capturing may swap its weights
+    # (FSDP2 `fully_shard` on it, accelerate): then ordinary autograd takes every gradient (the fallback).
+    params = None if checks._foreign_attention_hooks(layer.self_attn) else checks._layer_parameters(layer)
+    offload = checks._offload_requested(layer)
+    if params is None:
+        if not offload:
+            return _forward_with_checkpoints(streamed, hidden_states)
+        on_accelerator = hidden_states.device.type != "cpu"
+        with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
+            return _forward_with_checkpoints(streamed, hidden_states)
+    if not (hidden_states.requires_grad or params):
+        with torch.no_grad():
+            return streamed.run(hidden_states)[0]
+    return StreamedLayerFunction.apply(hidden_states, streamed, offload, *params)

@@ -1,0 +1,334 @@
+"""The generic streamed decoder layer (streaming_backward/: the layer's own forward per query chunk, its K/V met at
+the `Cache` seam) against the unsplit layer, on families the old hand-written layouts cannot stream and, with
+`EVERY_LAYER`, on the four families they do. fp32 tiny configs: loss and every gradient within 1e-5."""
+
+import zlib
+
+import pytest
+import torch
+import transformers
+from test_mini_sequence_models import assert_close, train_step
+from tiny_models import COMMON, FAMILIES, make_model
+from transformers.streaming_backward import layer as generic
+
+
+SEQ = 24
+CHUNKS = [1, 7, SEQ - 1, SEQ + 5]
+# Tiny configs of the families only the generic path streams (config class, model class, overrides of COMMON).
+GENERIC_FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),  # q/k norms
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"eos_token_id": 2, "bos_token_id": 1}),  # fused qkv_proj
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # post-norms, q/k norms over all heads
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 16}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+}
+
+
+def seed_of(*parts):
+    return zlib.crc32("/".join(map(str, parts)).encode()) % 1000
+
+
+def padded_batch(seed, seq=SEQ):
+    """Batch 2: row 1 left-padded by 6 tokens, a quarter of row 0's labels ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, COMMON["vocab_size"], (2, seq), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :6] = 0
+    labels = input_ids.clone()
+    labels[attention_mask == 0] = -100
+    labels[0, torch.randperm(seq, generator=gen)[: seq // 4]] = -100
+    return input_ids, attention_mask, labels
+
+
+def build(family, seed=0, **overrides):
+    torch.manual_seed(seed)
+    if family in FAMILIES:
+        return make_model(family, seed, **overrides)
+    config_name, model_name, extra = GENERIC_FAMILIES[family]
+    fields = {name: overrides.pop(name) for name in ("streaming_backward_chunk",) if name in overrides}
+    config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return getattr(transformers, model_name)(config)
+
+
+def compare(family, chunk, inputs, monkeypatch, **model_kwargs):
+    """Flag off vs streamed by the generic layer: same loss, every gradient, and no parameter without one."""
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    calls = []
+    real = generic.StreamedLayerFunction.apply
+    monkeypatch.setattr(generic.StreamedLayerFunction, "apply", lambda *args: calls.append(1) or real(*args))
+    results = []
+    for value in (None, chunk):
+        model = build(family, streaming_backward_chunk=value, **model_kwargs)
+        results.append(train_step(model, *inputs))
+    assert len(calls) == model.config.num_hidden_layers, "the generic streamed layer did not run"
+    (ref, ref_grads, ref_embeds), (out, grads, embeds) = results
+    assert_close(out.loss, ref.loss, what="loss")
+    # Every parameter but the input embeddings (train_step feeds inputs_embeds) has a gradient.
+    embedding = model.get_input_embeddings().weight
+    names = {name for name, p in model.named_parameters() if p.requires_grad and p is not embedding}
+    assert grads.keys() == ref_grads.keys() and names <= grads.keys(), names - grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(embeds, ref_embeds, what="inputs_embeds")
+
+
+ALL = sorted(GENERIC_FAMILIES) + sorted(FAMILIES)
+
+
+# Gemma-2 has no SDPA path upstream (soft-capped attention): eager only.
+IMPLEMENTATIONS = [(f, i) for f in ALL for i in ("sdpa", "eager") if not (f == "gemma2" and i == "sdpa")]
+
+
+@pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
+@pytest.mark.parametrize("chunk", CHUNKS, ids=str)
+def test_exact_left_padding_and_ignored_labels(family, implementation, chunk, monkeypatch):
+    """Batch 2: left padding on one row (a chunk holding a row that sees no key reads every key), ignored labels."""
+    compare(family, chunk, padded_batch(seed_of(family, implementation, chunk)), monkeypatch,
+            attn_implementation=implementation)
+
+
+def plain_batch(seed, seq=SEQ):
+    """Batch 2, no padding: the model passes no mask to SDPA (plainly causal); each chunk gets a bottom-right one."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, COMMON["vocab_size"], (2, seq), generator=gen)
+    labels = ids.clone()
+    labels[0, torch.randperm(seq, generator=gen)[: seq // 4]] = -100
+    return ids, None, labels
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "llama", "mixtral"])
+@pytest.mark.parametrize("chunk", [5, SEQ + 5], ids=str)
+def test_exact_plain_causal_sdpa(family, chunk, monkeypatch):
+    compare(family, chunk, plain_batch(seed_of(family, "plain", chunk)), monkeypatch, attn_implementation="sdpa")
+
+
+WINDOWED = {  # config overrides that give every (or every other) layer a sliding window
+    "mistral": lambda w: {"sliding_window": w},
+    "qwen2": lambda w: {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0},
+    "gemma2": lambda w: {"sliding_window": w},
+    "gemma3_text": lambda w: {"sliding_window": w, "layer_types": ["sliding_attention", "full_attention"]},
+    "qwen3": lambda w: {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0},
+    "phi3": lambda w: {"sliding_window": w},
+}
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+@pytest.mark.parametrize("window", [4, 16], ids=lambda w: f"window{w}")
+def test_exact_sliding_window(family, window, monkeypatch):
+    """Window smaller and larger than the chunk (7): a chunk reads keys from start - window + 1 only."""
+    implementation = "eager" if family == "gemma2" else "sdpa"
+    for inputs in (padded_batch(seed_of(family, window)), plain_batch(seed_of(family, window))):
+        compare(family, 7, inputs, monkeypatch, attn_implementation=implementation, **WINDOWED[family](window))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "olmo2", "qwen3_moe", "gemma2", "llama"])
+def test_exact_packed_sequences(family, monkeypatch):
+    """Padding-free packing: no mask, position_ids restart per sequence; the model's block-diagonal mask is sliced."""
+    gen = torch.Generator().manual_seed(seed_of(family, "packed"))
+    lengths = [9, 5, 10]
+    ids = torch.randint(1, COMMON["vocab_size"], (1, sum(lengths)), generator=gen)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor(lengths), 0)[:-1]] = -100
+    implementation = "eager" if family == "gemma2" else "sdpa"
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    results = []
+    for value in (None, 4):
+        model = build(family, streaming_backward_chunk=value, attn_implementation=implementation)
+        results.append(train_step(model, ids, None, labels, position_ids=position_ids))
+    (ref, ref_grads, ref_embeds), (out, grads, embeds) = results
+    assert_close(out.loss, ref.loss, what="loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(embeds, ref_embeds, what="inputs_embeds")
+
+
+def tokens_per_projection(model, inputs, monkeypatch):
+    """Tokens each Linear of the first layer sees in one training step, per token of the batch (counted in
+    `nn.Linear.forward`, class level: a module hook would send the layer to the wrapper path)."""
+    rows = {}
+    original = torch.nn.Linear.forward
+
+    def counted(linear, x):
+        rows[linear] = rows.get(linear, 0) + x.shape[:-1].numel()
+        return original(linear, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+    train_step(model, *inputs)
+    monkeypatch.setattr(torch.nn.Linear, "forward", original)
+    layer = model.model.layers[0]
+    return {name: rows.get(linear, 0) / inputs[0].numel() for name, linear in layer.named_modules()
+            if isinstance(linear, torch.nn.Linear) and "experts" not in name and "gate" != name.rsplit(".", 1)[-1]}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2"])
+def test_each_projection_sees_each_token_twice(family, monkeypatch):
+    """8 chunks, no padding: forward + one recompute per token through every projection, as checkpointing."""
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    inputs = plain_batch(seed_of(family, "count"), seq=32)
+    implementation = "eager" if family == "gemma2" else "sdpa"
+    counts = tokens_per_projection(build(family, streaming_backward_chunk=4, attn_implementation=implementation),
+                                   inputs, monkeypatch)
+    assert counts and set(counts.values()) == {2.0}, counts
+    checkpointed = build(family, attn_implementation=implementation)
+    checkpointed.gradient_checkpointing_enable()
+    assert tokens_per_projection(checkpointed, inputs, monkeypatch) == counts
+
+
+def test_recomputed_keys_values_exact_and_counted(monkeypatch):
+    """KEEP_KEYS_VALUES=False (checkpointing's memory): exact; the projections before the cache see 3 passes."""
+    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", False)
+    compare("qwen3", 5, padded_batch(seed_of("recompute")), monkeypatch, attn_implementation="sdpa")
+    counts = tokens_per_projection(build("qwen3", streaming_backward_chunk=4), plain_batch(3, seq=32), monkeypatch)
+    assert counts == {"self_attn.q_proj": 3.0, "self_attn.k_proj": 3.0, "self_attn.v_proj": 3.0,
+                      "self_attn.o_proj": 2.0, "mlp.gate_proj": 2.0, "mlp.up_proj": 2.0, "mlp.down_proj": 2.0}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_wrapper_fallback_exact(family, monkeypatch):
+    """The autograd path that wrapped layers (ZeRO-3, FSDP1) take, forced in one process."""
+    from transformers.mini_sequence import streaming
+
+    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer, **kwargs: None)
+    monkeypatch.setattr(generic.StreamedLayerFunction, "apply", None)  # must not run
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    inputs = padded_batch(seed_of(family, "wrapped"))
+    results = [train_step(build(family, streaming_backward_chunk=value), *inputs) for value in (None, 7)]
+    (ref, ref_grads, _), (out, grads, _) = results
+    assert_close(out.loss, ref.loss, what="loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+
+
+def test_offloaded_input_exact(monkeypatch):
+    """activation_checkpointing_enable(offload=True): the streamed layer keeps its input in host memory."""
+    from transformers.mini_sequence import streaming
+
+    saved = []
+
+    class Recording(streaming.HostStorage):
+        def save(self, x):
+            saved.append(tuple(x.shape))
+            return super().save(x)
+
+    with streaming.use_host_storage(Recording()):
+        compare("qwen3", 7, padded_batch(seed_of("offload")), monkeypatch, attn_implementation="sdpa")
+    # compare() builds the model itself: enable offload on a fresh one and compare again.
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    inputs = padded_batch(seed_of("offload"))
+    ref = train_step(build("qwen3"), *inputs)
+    model = build("qwen3", streaming_backward_chunk=7)
+    model.activation_checkpointing_enable(offload=True)
+    with streaming.use_host_storage(Recording()):
+        out = train_step(model, *inputs)
+    assert saved == [(2, SEQ, COMMON["hidden_size"])] * 2
+    assert_close(out[0].loss, ref[0].loss, what="loss")
+    for name in ref[1]:
+        assert_close(out[1][name], ref[1][name], what=name)
+
+
+def test_attention_dropout_replayed(monkeypatch):
+    """Dropout draws replayed per chunk: the Function path equals plain autograd through the same chunks."""
+    from transformers.mini_sequence import streaming
+
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    inputs = padded_batch(31)
+    runs = {}
+    for name in ("function", "autograd", "no-dropout"):
+        with monkeypatch.context() as patch:
+            if name == "autograd":
+                patch.setattr(streaming, "_layer_parameters", lambda layer, **kwargs: None)
+            dropout = 0.0 if name == "no-dropout" else 0.3
+            model = build("qwen3", streaming_backward_chunk=7, attention_dropout=dropout)
+            torch.manual_seed(5)
+            runs[name] = train_step(model, *inputs)
+    (out, grads, embeds), (ref, ref_grads, ref_embeds) = runs["function"], runs["autograd"]
+    assert_close(out.loss, ref.loss, what="loss")
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(embeds, ref_embeds, what="inputs_embeds")
+    plain = runs["no-dropout"][1]
+    moved = max(((grads[n] - plain[n]).norm() / plain[n].norm()).item() for n in plain)
+    assert moved > 0.05, f"dropout changed the gradients by only {moved:.2e}: is it applied?"
+
+
+def test_layer_without_cache_seam_refused(monkeypatch):
+    """A layer whose attention never calls `cache.update` (linear attention...) is refused, naming its class."""
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    model = build("qwen3", streaming_backward_chunk=7)
+    attn_class = type(model.model.layers[0].self_attn)
+    real = attn_class.forward
+
+    def no_cache(self, *args, cache=None, **kwargs):
+        return real(self, *args, cache=None, **kwargs)
+
+    monkeypatch.setattr(attn_class, "forward", no_cache)
+    with pytest.raises(ValueError, match="Qwen3DecoderLayer cannot be streamed"):
+        train_step(model, *padded_batch(1))
+
+
+def test_filled_cache_and_empty_batch_refused(monkeypatch):
+    from transformers import DynamicCache
+
+    model = build("qwen3", streaming_backward_chunk=7).train()
+    ids = torch.randint(1, 100, (1, 8))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="cached tokens"):
+        model(input_ids=ids, cache=cache, labels=ids)
+    with pytest.raises(ValueError, match="batch is empty"):
+        model(inputs_embeds=torch.zeros(0, 8, COMMON["hidden_size"], requires_grad=True), labels=ids[:0])
+
+
+def test_hooked_attention_takes_the_autograd_fallback(monkeypatch):
+    """The generic layer calls `self_attn` itself, so its hooks run; a hook that may swap weights (FSDP2 on the
+    attention module, accelerate) sends the layer to the autograd fallback instead of the Function."""
+    monkeypatch.setattr(generic.StreamedLayerFunction, "apply", None)  # must not run
+    inputs = padded_batch(seed_of("hooked"))
+    ref = train_step(build("qwen3"), *inputs)
+    model = build("qwen3", streaming_backward_chunk=7)
+    seen = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda module, args: seen.append(1))
+    out = train_step(model, *inputs)
+    assert seen
+    assert_close(out[0].loss, ref[0].loss, what="loss")
+    for name in ref[1]:
+        assert_close(out[1][name], ref[1][name], what=name)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_plain_causal_sdpa_uses_the_lower_right_bias(family, monkeypatch):
+    """No mask: each chunk, forward and recompute, gets torch's lower-right causal bias (chunk, its causal prefix)."""
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.mini_sequence import streaming
+
+    calls = []
+    monkeypatch.setattr(streaming, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
+    compare(family, 7, plain_batch(seed_of(family, "bias")), monkeypatch, attn_implementation="sdpa")
+    expected = [(min(start + 7, SEQ) - start, min(start + 7, SEQ)) for start in range(0, SEQ, 7)]
+    assert sorted(calls) == sorted(expected * 2 * COMMON["num_hidden_layers"])
+
+
+def test_router_logits_in_training_refused():
+    """Mixtral's auxiliary loss reads router logits captured inside the layer: per chunk and without graph here."""
+    model = build("mixtral", streaming_backward_chunk=7, output_router_logits=True).train()
+    ids = torch.randint(1, 100, (1, 12))
+    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
+        model(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_bf16_as_accurate_as_upstream(family, monkeypatch):
+    """bf16 through the generic layer (dK/dV and parameter gradients summed in fp32) is as accurate as upstream bf16."""
+    from test_streaming import assert_bf16_as_accurate_as_upstream
+
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    assert_bf16_as_accurate_as_upstream(family, streaming_backward_chunk=9)
