@@ -70,7 +70,7 @@ from ._state import (
 from .config import STREAMING_FIELD_NAME, streaming_chunk_size
 from .wrappers import check_graph_inputs, function_parameters, refuse_create_graph
 from ..streaming_backward import layer as generic
-from ..streaming_backward.masks import plan_key_ranges, sliding_window, window_start
+from ..streaming_backward.masks import chunk_mask, plan_key_ranges, sliding_window, window_start
 
 
 # Decoder layers we know how to stream, by the module that defines them -> layer layout.
@@ -407,23 +407,9 @@ class _StreamedLayer:
         return torch.zeros(part.shape, dtype=dtype, device=part.device).masked_fill_(~part, torch.finfo(dtype).min)
 
     def chunk_mask(self, start: int, end: int, kv_start: int, kv_end: int) -> torch.Tensor | None:
-        if self.mask is not None:
-            return self.mask[:, :, start:end, kv_start:kv_end]
-        if self.attn.config._attn_implementation in BOTTOM_RIGHT_CAUSAL_ATTENTION:
+        if self.mask is None and self.attn.config._attn_implementation in BOTTOM_RIGHT_CAUSAL_ATTENTION:
             return None
-        from ..masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
-
-        mask_function = causal_mask_function if self.window is None else sliding_window_causal_mask_function(self.window)
-        return sdpa_mask(
-            batch_size=self.batch,
-            q_length=end - start,
-            kv_length=kv_end - kv_start,
-            q_offset=start,
-            kv_offset=kv_start,
-            mask_function=mask_function,
-            allow_is_causal_skip=False,
-            device=self.cos.device,
-        )
+        return chunk_mask(self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.cos.device)
 
     def keys_values(self, x_chunk, start: int, end: int):
         """K (after RoPE) and V of the tokens `x_chunk` = x[:, start:end], [B, kv_heads, T, head_dim]."""
