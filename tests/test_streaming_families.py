@@ -65,7 +65,12 @@ def compare(family, chunk, inputs, monkeypatch, **model_kwargs):
         model = build(family, streaming_backward_chunk=value, **model_kwargs)
         results.append(train_step(model, *inputs))
     assert len(calls) == model.config.num_hidden_layers, "the generic streamed layer did not run"
-    (ref, ref_grads, ref_embeds), (out, grads, embeds) = results
+    assert_same_training(model, *results)
+
+
+def assert_same_training(model, reference, result):
+    """Same loss, every gradient, and no parameter without one (`train_step`'s results)."""
+    (ref, ref_grads, ref_embeds), (out, grads, embeds) = reference, result
     assert_close(out.loss, ref.loss, what="loss")
     # Every parameter but the input embeddings (train_step feeds inputs_embeds) has a gradient.
     embedding = model.get_input_embeddings().weight
@@ -89,6 +94,21 @@ def test_exact_left_padding_and_ignored_labels(family, implementation, chunk, mo
     """Batch 2: left padding on one row (a chunk holding a row that sees no key reads every key), ignored labels."""
     compare(family, chunk, padded_batch(seed_of(family, implementation, chunk)), monkeypatch,
             attn_implementation=implementation)
+
+
+@pytest.mark.parametrize("family", sorted(GENERIC_FAMILIES))
+def test_exact_with_mini_sequence_chunk_too(family, monkeypatch):
+    """Both flags, as users set them, against neither: the MLP or MoE block by mini-sequences of 4 tokens inside each
+    11-token streamed chunk's forward and inside its recompute in the streamed backward."""
+    calls = []
+    real = generic.StreamedLayerFunction.apply
+    monkeypatch.setattr(generic.StreamedLayerFunction, "apply", lambda *args: calls.append(1) or real(*args))
+    inputs = padded_batch(seed_of(family, "both flags"))
+    reference = train_step(build(family), *inputs)
+    model = build(family, streaming_backward_chunk=11, mini_sequence_chunk=4)
+    result = train_step(model, *inputs)
+    assert len(calls) == model.config.num_hidden_layers, "the generic streamed layer did not run"
+    assert_same_training(model, reference, result)
 
 
 def plain_batch(seed, seq=SEQ):
