@@ -214,7 +214,7 @@ def test_streaming_refuses_a_filled_cache():
 
 def test_trl_fused_lm_head_is_not_reported(warnings_seen):
     """TRL's SFT/DPO trainers bind their own chunked LM head, wrapping the original forward (`functools.wraps`);
-    the MLPs stay ours and one chunked head runs, not two (README, "TRL, PEFT, QLoRA"): nothing to report."""
+    the MLPs stay ours and one chunked head runs, not two (docs/mini-sequence.md, "TRL, PEFT, QLoRA"): nothing to report."""
     from trl.trainer.utils import add_fused_lm_head
 
     model = make_model("llama", mini_sequence_chunk=4)

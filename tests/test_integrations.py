@@ -242,7 +242,7 @@ def test_no_labels_in_training_returns_logits(spies):
     assert spies["mlp_split"] == 2 and spies["our_lm_loss"] == 0
     assert rel_err(logits[1][0], logits[0][0]) < RTOL
     assert rel_err(logits[1][1], logits[0][1]) < RTOL
-    # With labels it is our chunked loss, and logits is None (documented in the README).
+    # With labels it is our chunked loss, and logits is None (documented in docs/mini-sequence.md).
     model = make_model("llama", mini_sequence_chunk=CHUNK).train()
     assert model(input_ids=ids, labels=ids).logits is None and spies["our_lm_loss"] == 1
 

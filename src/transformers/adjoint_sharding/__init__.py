@@ -1,4 +1,5 @@
-"""Adjoint sharding for state-space models (seed 003): the selective scan's backward as a reverse
+"""Adjoint sharding for state-space models (Xu et al., "Adjoint sharding for very long context training of state
+space models", TMLR, https://openreview.net/forum?id=kQCuMcEneq): the selective scan's backward as a reverse
 recurrence of adjoint states plus per-shard vector-Jacobian products, exact or truncated.
 
 Importing this package does not import torch: configuration classes import `.config`.

@@ -3,9 +3,9 @@
 Importable without torch: configuration classes call these at construction time.
 
 - ``adjoint_sharding_chunk``: ``None`` (off, upstream scan), ``"auto"`` or a positive int: tokens per
-  shard of the selective scan's adjoint backward (seed 003, §4.1-4.2).
+  shard of the selective scan's adjoint backward (the adjoint sharding paper, §4.1-4.2).
 - ``adjoint_truncation``: ``None`` (exact gradients) or a positive int T: truncated adjoint sharding
-  (seed 003, §4.3): the gradient of each token's output reaches back at most T state transitions
+  (the adjoint sharding paper, §4.3): the gradient of each token's output reaches back at most T state transitions
   of each layer's scan. An approximation, unlike everything else in this distribution.
 """
 

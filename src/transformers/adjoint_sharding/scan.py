@@ -1,4 +1,4 @@
-"""Mamba's selective scan with an adjoint backward, one shard of tokens at a time (seed 003, §4.1-4.3).
+"""Mamba's selective scan with an adjoint backward, one shard of tokens at a time (the adjoint sharding paper, §4.1-4.3).
 
 For each channel d and state n the scan is a diagonal linear recurrence over time t:
 
@@ -11,13 +11,13 @@ per layer. Here the forward runs shard by shard and keeps only its inputs (u, dt
 or n, S]) and the state entering each shard. Backward goes over the shards from last to first:
 it recomputes the shard's states from its boundary state, runs the adjoint recurrence
 
-    adj[t] = C[t] * gy[t] + a[t+1] * adj[t+1]         (seed 003, Prop. 3.1 / 4.1: lambda)
+    adj[t] = C[t] * gy[t] + a[t+1] * adj[t+1]         (the adjoint sharding paper, Prop. 3.1 / 4.1: lambda)
 
 carrying a[s0] * adj[s0] to the shard on the left, and takes every input's gradient as closed-form
 vector-Jacobian products of that shard (da = adj * h[t-1], db = adj, dC = gy * h). Only one
 shard's [shard, batch, d, n] tensors are alive at a time.
 
-Truncated adjoint sharding (seed 003, §4.3, `truncation=T`): the gradient of y[t] reaches back only
+Truncated adjoint sharding (the adjoint sharding paper, §4.3, `truncation=T`): the gradient of y[t] reaches back only
 through the transitions t-T+1..t (as if h[t-T] were a constant). The truncated adjoint is a window
 sum, adjT[i] = sum_{t=i}^{i+T-1} C[t] gy[t] prod_{j=i+1}^{t} a[j], which obeys the same recurrence
 with one term leaving the window per step:

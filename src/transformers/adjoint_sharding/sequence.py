@@ -1,4 +1,4 @@
-"""One long sequence split in time across processes (seed 003, §4.4-4.5, Algorithm 4).
+"""One long sequence split in time across processes (the adjoint sharding paper, §4.4-4.5, Algorithm 4).
 
 Rank r of a process group holds tokens [start_r, end_r) of every sequence in the batch and runs
 the same model on them. Only two things in a Mamba layer look across a time boundary: the causal
@@ -14,7 +14,7 @@ the scan (its first state continues the previous part's last state). So, per lay
 Each rank keeps only its own part's activations. The scan is a chain over ranks (rank r's scan
 starts when rank r-1's ends, per layer, and the reverse in backward), so the time of one step is
 about that of one process; what the ranks split is the memory. Parameter gradients are partial
-sums per rank: `all_reduce_gradients` adds them up. See the README ("Adjoint sharding: a sequence
+sums per rank: `all_reduce_gradients` adds them up. See docs/adjoint-sharding.md ("Adjoint sharding: one sequence
 across processes") for the training loop.
 """
 
