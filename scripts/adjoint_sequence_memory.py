@@ -1,5 +1,5 @@
 """Per-process peak memory and step time of adjoint sharding with one sequence split in time over
-N processes (issue 9, distributed target: 2 processes at S=16K, per-rank peak <= 0.6 of 1 process).
+N processes (docs/adjoint-sharding.md; target: 2 processes at S=16K, per-rank peak <= 0.6 of 1 process).
 
 Run under torchrun with N = 1, then N = 2 (same arguments); each run prints one line per rank and
 appends a JSON line to --out. Model: Mamba, hidden 256, state 16, expand 2, 4 layers, vocab 32000,

@@ -7,10 +7,10 @@
   blocks    the paper's App. F sweep (Tables 13-16): the MLP block and the LM-head + loss
             block alone, time and peak memory vs the number of mini-sequences M and S.
   families  the four families at one S, flag off vs on (issue-3 targets).
-  streaming StreamBP's CPU targets (issue 7): Gemma-2 peak vs flag off, activation memory
+  streaming StreamBP's CPU targets: Gemma-2 peak vs flag off, activation memory
             vs mini_sequence+checkpointing at 32K (fp32, bf16), and a sweep of
             streaming_backward_chunk values (time and peak) at 8K/16K.
-  mamba     adjoint sharding (issue 9): Mamba, peak memory and step time vs S for upstream's torch
+  mamba     adjoint sharding: Mamba, peak memory and step time vs S for upstream's torch
             path, upstream + checkpointing, adjoint (+ mini_sequence), adjoint + checkpointing,
             truncated adjoint; and a sweep of adjoint_sharding_chunk values at one S. Upstream's
             torch path is quadratic in time on CPU: above --upstream-max-seq its peak is measured
@@ -59,13 +59,13 @@ FAMILIES = {
     # backward: on CPU it runs eager attention, whose [heads, S, S] scores are in its peak.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 64}),
 }
-# Llama-style small config (issue 3/4): big vocabulary and MLP relative to d, as in real models.
+# Llama-style small config: big vocabulary and MLP relative to d, as in real models.
 BASE = dict(hidden_size=256, intermediate_size=1024, vocab_size=32000, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1 << 17)
 MIB = 2**20
 STREAMING_PARTS = ("gemma2", "activation", "chunks")
 MAMBA_PARTS = ("methods", "shards")
-# Mamba (issue 9 targets): hidden 256, state 16, expand 2 (D = 512 scan channels), 4 layers, V=32000.
+# Mamba (adjoint sharding targets): hidden 256, state 16, expand 2 (D = 512 scan channels), 4 layers, V=32000.
 MAMBA_BASE = dict(hidden_size=256, state_size=16, expand=2, num_hidden_layers=4, vocab_size=32000)
 
 
@@ -307,7 +307,7 @@ def sweep_families(args, device):
 
 
 def sweep_streaming(args, device):
-    """StreamBP (issue 7) on the CPU targets, one run, every point measured here:
+    """StreamBP on the CPU targets, one run, every point measured here:
 
     gemma2      Gemma-2 (bench config, eager attention) at --gemma2-seq: peak of a full training step,
                 flag off against mini_sequence_chunk="auto" alone and with streaming_backward_chunk="auto";
@@ -401,7 +401,7 @@ MAMBA_METHOD_NAMES = ["upstream", "upstream+checkpointing", "adjoint", "adjoint+
 
 
 def sweep_mamba(args, device):
-    """Adjoint sharding (issue 9), Mamba (MAMBA_BASE), every point measured in this run:
+    """Adjoint sharding, Mamba (MAMBA_BASE), every point measured in this run:
 
     methods  at each --seq, the five methods (`mamba_methods`): peak of a full training step and median
              step time of --repeats interleaved steps (--upstream-repeats for upstream's two, whose steps
@@ -660,7 +660,7 @@ def main(argv=None):
         methods = [r for r in rows if r["part"] == "methods"]
         shards = [r for r in rows if r["part"] == "shards"]
         if methods:
-            write(methods, args.out, args.name, f"{header}\n\nTargets (issue 9), from this run:\n{summary}")
+            write(methods, args.out, args.name, f"{header}\n\nTargets, from this run:\n{summary}")
             plot(methods, "seq_len", "peak_MiB", "method",
                  f"Mamba: peak memory of a training step (upstream above S={args.upstream_max_seq}: fake tensors)\n{where}",
                  args.out / f"{args.name}_memory.png", "peak (MiB)", logx=True)
@@ -682,7 +682,7 @@ def main(argv=None):
         header = header.replace(f"median of {args.repeats} steps", f"median of {args.repeats} interleaved steps (chunks part)")
         summary = streaming_summary(rows)
         name = "streaming" if set(args.parts) == set(STREAMING_PARTS) else "streaming_" + "_".join(args.parts)
-        write(rows, args.out, name, f"{header}\n\nTargets (issue 7), from this run:\n{summary}")
+        write(rows, args.out, name, f"{header}\n\nTargets, from this run:\n{summary}")
         chunks = [dict(r, S=f"S={r['seq_len']}", chunk=int(r["setting"].rpartition("=")[2])) for r in rows
                   if r["part"] == "chunks" and "chunk=" in r["setting"] and r["setting"][-1].isdigit()]
         if chunks:

@@ -1,4 +1,4 @@
-"""Live-tensor peak and time of the chunked LM head + causal-LM loss (issue 7 item 4), in ONE run:
+"""Live-tensor peak and time of the chunked LM head + causal-LM loss, in ONE run:
 
   fp32 path      fp32 head: torch's F.linear_cross_entropy (what mini_sequence_causal_lm_loss picks)
   bf16 before    bf16 head: loss.py (and its "auto" chunk policy) as of git revision --before
@@ -42,7 +42,7 @@ from transformers.mini_sequence import LiveTensorTracker, config, loss
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
-# The commit before the bf16 LM-head memory work (issue 7 item 4).
+# The commit before the bf16 LM-head memory work.
 BEFORE = "dcab507a4f80c838f85084b4192b696c418b20f3"
 
 

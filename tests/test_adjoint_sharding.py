@@ -1,4 +1,4 @@
-"""Adjoint sharding (issue 9) on Mamba and FalconMamba: the flags, exactness against upstream's torch
+"""Adjoint sharding (docs/adjoint-sharding.md) on Mamba and FalconMamba: the flags, exactness against upstream's torch
 scan, truncation against a brute-force reference, unchanged eval/generation, and memory.
 
 Model comparisons build the same tiny model twice from one seed (flags off = upstream's path, and

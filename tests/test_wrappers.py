@@ -1,4 +1,4 @@
-"""Wrappers that swap or re-home parameters at call time must never lose a gradient (issue 8).
+"""Wrappers that swap or re-home parameters at call time must never lose a gradient.
 
 One-process stand-ins for what FSDP2 (a pre-hook swaps in unsharded parameters), FSDP1
 (weights installed as plain views of one flat parameter) and accelerate do; the real wrappers

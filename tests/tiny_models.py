@@ -49,7 +49,7 @@ NEW_FAMILIES = {
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 
 
-# State-space families (adjoint sharding, issue 9): their own common sizes.
+# State-space families (adjoint sharding): their own common sizes.
 SSM_COMMON = dict(vocab_size=128, hidden_size=32, state_size=8, expand=2, num_hidden_layers=2, pad_token_id=0)
 SSM_FAMILIES = {
     "mamba": ("MambaConfig", "MambaForCausalLM", {}),

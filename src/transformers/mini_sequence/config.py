@@ -3,7 +3,7 @@
 This module must stay importable without torch: configuration classes import it at
 construction time.
 
-Allowed values (design.md §2):
+Allowed values (README, "The fields"; docs/mini-sequence.md):
 
 - ``None``: mini-sequence processing off, exactly upstream behaviour.
 - ``"auto"``: the paper's policy (MsT §3.4): MLP chunks of ``C = hidden_size`` tokens,

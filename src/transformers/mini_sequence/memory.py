@@ -1,4 +1,4 @@
-"""Exact live-tensor memory accounting without a GPU (design.md §4).
+"""Exact live-tensor memory accounting without a GPU (what "memory saved" means: docs/measurements.md).
 
 ``LiveTensorTracker`` is a ``TorchDispatchMode``: every tensor an operator returns is looked
 at, its untyped storage is counted once (storages are deduplicated by identity, so views and

@@ -2,7 +2,7 @@
 
 The gated MLP ``down(act(gate(x)) * up(x))`` is token-wise, so splitting the sequence into
 chunks changes nothing mathematically. The memory saving only exists if the [S, I]
-intermediates are neither materialised whole nor kept for backward (design.md §4): a plain
+intermediates are neither materialised whole nor kept for backward (docs/mini-sequence.md, "What changes"): a plain
 Python loop under autograd would keep every chunk's intermediates until backward. So the
 chunked path is a custom autograd Function that keeps only the input x for backward and, in
 backward, rebuilds one chunk's intermediates at a time (recomputation, as in Algorithm 3).

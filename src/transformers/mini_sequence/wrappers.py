@@ -3,7 +3,7 @@
 Our Functions (mlp.py, loss.py) take the module's parameters as explicit inputs and return their
 gradients, computed chunk by chunk with fp32 sums, so that every gradient arrives once. That is
 only right when the tensors collected before the call are the tensors the module's forward will
-use. Training wrappers break this in three ways, each measured with the flag on (issue 8):
+use. Training wrappers break this in three ways, each measured with the flag on:
 
 - DeepSpeed ZeRO-3 gathers a partitioned weight in a forward pre-hook of each Linear: before the
   call its data is empty, so the Function saw `[0]`-shaped inputs and autograd rejected the
