@@ -101,6 +101,9 @@ BUILTIN = {
                                      num_attention_heads=28, num_key_value_heads=4)),
     "mistral-7b": ("MistralConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                          num_attention_heads=32, num_key_value_heads=8, sliding_window=4096)),
+    # Qwen/Qwen3-8B: q/k norms; the model of StreamBP's Table 3 (arXiv 2506.03077).
+    "qwen3-8b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)),
     "gemma2-9b": ("Gemma2Config", dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
                                        num_attention_heads=16, num_key_value_heads=8, head_dim=256,
                                        query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,

@@ -79,7 +79,11 @@ class StreamedCall:
         hidden_states = arguments.pop("hidden_states")
         self.batch, self.seq_len = hidden_states.shape[:2]
         implementation = config._attn_implementation
-        if implementation not in SUPPORTED_ATTENTION:
+        # The planner's FlashAttention-like stand-in masks an offset chunk bottom-right itself (mini_sequence/plan.py).
+        from ..mini_sequence.streaming import BOTTOM_RIGHT_CAUSAL_ATTENTION
+
+        self.bottom_right = implementation in BOTTOM_RIGHT_CAUSAL_ATTENTION
+        if implementation not in SUPPORTED_ATTENTION and not self.bottom_right:
             raise ValueError(
                 f"{STREAMING_FIELD_NAME} is set but {type(layer).__name__} uses attn_implementation={implementation!r}; "
                 f"the streamed layer runs offset query chunks only with {SUPPORTED_ATTENTION}. Load the model with one "
@@ -122,7 +126,7 @@ class StreamedCall:
         start, end = self.chunks[index]
         kv_start, kv_end = self.key_ranges[index]
         kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
-        kwargs["attention_mask"] = chunk_mask(
+        kwargs["attention_mask"] = None if self.mask is None and self.bottom_right else chunk_mask(
             self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
         )
         kwargs[self.cache_name] = cache
