@@ -1,4 +1,4 @@
-"""Memory and time of training with and without mini-sequences. Four sweeps:
+"""Memory and time of training with and without mini-sequences. The sweeps:
 
   methods   one model family, a sweep of sequence lengths S, the methods vanilla,
             checkpointing, mini_sequence, mini_sequence+checkpointing, streaming,
@@ -10,6 +10,9 @@
   streaming StreamBP's CPU targets: Gemma-2 peak vs flag off, activation memory
             vs mini_sequence+checkpointing at 32K (fp32, bf16), and a sweep of
             streaming_backward_chunk values (time and peak) at 8K/16K.
+  compile   torch.compile: per method, the graph breaks of a compiled training step (dynamo's
+            counters) and the compiled step time against the compiled flags-unset step (time
+            only: inductor's kernels allocate outside the tensor tracker, so no CPU peak).
   mamba     adjoint sharding: Mamba, peak memory and step time vs S for upstream's torch
             path, upstream + checkpointing, adjoint (+ mini_sequence), adjoint + checkpointing,
             truncated adjoint; and a sweep of adjoint_sharding_chunk values at one S. Upstream's
@@ -114,8 +117,11 @@ def sync(device):
 class Trainee:
     """A model, its AdamW and a batch: `step()` runs one full training step."""
 
-    def __init__(self, family, chunk, checkpointing, seq, device, dtype, streaming=None):
+    def __init__(self, family, chunk, checkpointing, seq, device, dtype, streaming=None, compiled=False):
         self.model = build(family, chunk, checkpointing, device, dtype, streaming)
+        if compiled:
+            self.model.config.use_cache = False  # upstream warns (a graph break) when a checkpointed model is asked to cache
+            self.model.compile()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.ids = tokens(seq, self.model.config.vocab_size, device)
         self.device = device
@@ -147,9 +153,9 @@ class Trainee:
         return resident + tracker.peak_bytes, loss
 
 
-def trainee(family, method: Method, seq, device, dtype):
+def trainee(family, method: Method, seq, device, dtype, compiled=False):
     return Trainee(family, method.mini_sequence_chunk, method.checkpointing, seq, device, dtype,
-                   method.streaming_backward_chunk)
+                   method.streaming_backward_chunk, compiled)
 
 
 class MambaTrainee(Trainee):
@@ -237,6 +243,50 @@ def sweep_methods(args, device):
     for r in rows:  # rounded only once every ratio is computed from the full values
         r["step_time_s"] = round(r["step_time_s"], 3)
         r["first_loss"] = round(r["first_loss"], 6)
+    return rows
+
+
+def sweep_compile(args, device):
+    """Each method compiled (`model.compile()`): graph breaks of its first (compiling) step, counted by dynamo
+    (each break of each compiled frame once), and the median step time against the compiled step of the same
+    setting with our fields unset (vanilla for vanilla and mini_sequence, checkpointing for the rest)."""
+    from torch._dynamo.utils import counters
+
+    rows = []
+    methods = {name: METHODS[name] for name in args.methods}
+    # The models share code objects: each method compiles from an empty cache (`reset`), so that its breaks are
+    # counted; the reset makes the methods before it recompile, which they do in the untimed warm-up round. No
+    # silent eager fallback at the default recompile limit.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(methods) * len(args.seq))
+    with tqdm(total=len(args.seq) * len(methods) * (2 + args.repeats), desc="compile", file=sys.stderr) as progress:
+        for seq in args.seq:
+            trainees, breaks = {}, {}
+            for name, method in methods.items():
+                torch._dynamo.reset()
+                counters.clear()
+                trainees[name] = trainee(args.family, method, seq, device, args.dtype, compiled=True)
+                first_loss = trainees[name].step()  # compiles
+                breaks[name] = (sum(counters["graph_break"].values()), first_loss)
+                progress.update(1)
+            for t in trainees.values():
+                t.step()
+                progress.update(1)
+            times = {name: [] for name in methods}
+            for _ in range(args.repeats):
+                for name, t in trainees.items():
+                    times[name].append(t.timed_step())
+                    progress.update(1)
+            for name, method in methods.items():
+                rows.append({"family": args.family, "seq_len": seq, "method": name, "graph_breaks": breaks[name][0],
+                             "first_loss": round(breaks[name][1], 6), "step_time_s": statistics.median(times[name])})
+            del trainees
+    for r in rows:
+        reference = "checkpointing" if METHODS[r["method"]].checkpointing or METHODS[r["method"]].streaming_backward_chunk else "vanilla"
+        ref = next((q for q in rows if q["seq_len"] == r["seq_len"] and q["method"] == reference), None)
+        r["speed_vs_unset"] = round(ref["step_time_s"] / r["step_time_s"], 3) if ref else None
+        r["unset_reference"] = reference if ref else None
+    for r in rows:
+        r["step_time_s"] = round(r["step_time_s"], 3)
     return rows
 
 
@@ -554,9 +604,9 @@ def write(rows, out, name, header):
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming", "mamba"])
-    parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="for `methods`")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="for `methods`")
+    parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming", "mamba", "compile"])
+    parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="for `methods` and `compile`")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="for `methods` and `compile`")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), help="for `families`")
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default per sweep)")
     parser.add_argument("--mini-sequences", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="M, for `blocks`")
@@ -606,7 +656,7 @@ def main(argv=None):
         args.chunk = int(args.chunk)
     args.dtype = getattr(torch, args.dtype)
     args.seq = args.seq or {"methods": [1024, 2048, 4096, 8192], "blocks": [2048, 8192], "families": [4096],
-                           "streaming": [4096], "mamba": [512, 1024, 2048, 4096, 8192]}[args.sweep]  # (streaming has its own --*-seq options)
+                           "streaming": [4096], "mamba": [512, 1024, 2048, 4096, 8192], "compile": [4096]}[args.sweep]  # (streaming has its own --*-seq options)
     if any(s < 2 for s in args.seq) or args.repeats < 1:
         parser.error("--seq values must be >= 2 and --repeats >= 1")
     if min(args.truncation, args.upstream_repeats, args.shard_seq, args.fake_check_seq, *args.shards, *args.fake_seq) < 1:
@@ -673,6 +723,11 @@ def main(argv=None):
                  args.out / f"{args.name}_shards_time.png", "step time (s)", logx=True)
             plot(part, "shard_tokens", "peak_MiB", "S", f"adjoint: peak vs adjoint_sharding_chunk\n{where}",
                  args.out / f"{args.name}_shards_memory.png", "peak (MiB)", logx=True)
+    elif args.sweep == "compile":
+        rows = sweep_compile(args, device)
+        header = header.replace("time = median", "model.compile(); graph_breaks: dynamo's count at the compiling step; "
+                                "speed_vs_unset: the compiled unset_reference step time over this one (>1: faster); time = median")
+        write(rows, args.out, f"compile_{args.family}", header)
     elif args.sweep == "families":
         rows = sweep_families(args, device)
         write(rows, args.out, "families", header)

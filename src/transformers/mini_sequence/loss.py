@@ -405,7 +405,10 @@ def mini_sequence_causal_lm_loss(
 
         loss = divide_loss_sum(call_hooks_once(lm_head, chunked_loss_sum, hidden), divisor)
     elif _can_use_linear_cross_entropy(lm_head, hidden, final_logit_softcapping, vocab_size):
-        options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size, chunking_method=None)
+        # Under torch.compile, torch forces allow_retain_graph=True itself, with a warning that breaks the graph.
+        options = torch.nn.LinearCrossEntropyOptions(
+            batch_chunk_size=chunk_size, chunking_method=None, allow_retain_graph=torch.compiler.is_compiling()
+        )
         loss_sum = F.linear_cross_entropy(
             hidden, lm_head.weight, flat_labels, reduction="sum", ignore_index=ignore_index, options=options
         )

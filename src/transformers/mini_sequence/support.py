@@ -122,10 +122,11 @@ def check_forwards_at_first_training_step(model, args) -> None:
     """Forward pre-hook that `check_model` registers on a model with a field of ours set: at the first training
     forward, warn about each of our paths that a replaced forward bypasses (Liger-Kernel's `use_liger_kernel=True`
     or `apply_liger_kernel_to_*` replace the MLPs and `*ForCausalLM.forward`, which then never call us), then
-    remove itself (no cost on later steps)."""
+    remove itself (no cost on later steps). Under torch.compile it does nothing: removing a hook while tracing breaks
+    the graph, so the check runs only at an eager training forward."""
     import torch
 
-    if not (model.training and torch.is_grad_enabled()):
+    if torch.compiler.is_compiling() or not (model.training and torch.is_grad_enabled()):
         return
     for key in [k for k, hook in model._forward_pre_hooks.items() if hook is check_forwards_at_first_training_step]:
         del model._forward_pre_hooks[key]

@@ -26,6 +26,7 @@ gradient can never disappear silently.
 """
 
 import functools
+import sys
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -33,20 +34,11 @@ from torch.nn.modules import module as _module_globals
 from torch.utils.checkpoint import checkpoint
 
 
-@functools.cache
-def _fsdp1_class():
-    """torch's FSDP1 module class, imported once on first use (None where distributed is not built)."""
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
 def _is_fsdp1_unit(module: torch.nn.Module) -> bool:
-    """An FSDP1 unit gathers its weights in its own forward (no hooks to see) and swaps them in."""
-    fsdp1 = _fsdp1_class()
-    return fsdp1 is not None and isinstance(module, fsdp1)
+    """An FSDP1 unit gathers its weights in its own forward (no hooks to see) and swaps them in. Where torch's
+    FSDP1 module was never imported no module can be one (looked up, not imported: cheap, and traceable)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
@@ -72,10 +64,14 @@ def _is_plain_parameter(param: torch.Tensor) -> bool:
 def function_parameters(module: torch.nn.Module) -> list | None:
     """The parameters of `module` that require grad, if a Function may take them as inputs; else None.
 
-    None means some wrapper may change, at call time, which tensors the forward uses: the caller
-    must let autograd see the real forward (see `checkpointed_chunks`).
+    None means some wrapper may change, at call time, which tensors the forward uses, or that torch.compile is
+    tracing: the caller must let autograd see the real forward (see `checkpointed_chunks`).
     """
     if _module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks:
+        return None
+    if torch.compiler.is_compiling():
+        # torch.compile cannot trace a Function whose backward calls autograd.grad (it would break the
+        # graph at every call); checkpointed chunks are traced as checkpoint regions instead.
         return None
     for sub in module.modules():
         if _has_hooks(sub):
@@ -105,6 +101,10 @@ def call_hooks_once(module: torch.nn.Module, loop, *args):
     inner = _innermost(module)
     if "forward" in inner.__dict__:
         return loop(*args)
+    if torch.compiler.is_compiling() and not (
+        _has_hooks(module) or _module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks
+    ):
+        return loop(*args)  # nothing to run once around it; swapping `forward` while tracing is not traceable
     inner.forward = loop
     try:
         return module(*args)

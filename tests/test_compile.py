@@ -1,0 +1,109 @@
+"""torch.compile with our fields set.
+
+mini_sequence_chunk: a training step compiles with `fullgraph=True` (no graph break at all, as with the fields
+unset) and its loss and gradients equal the eager unsplit step's; the recomputation of a chunk under compile
+replays the forward's dropout masks. streaming_backward_chunk: the compiled step is exact (it has graph breaks:
+docs/limits.md says why)."""
+
+import pytest
+import torch
+
+from tiny_models import make_model
+from transformers.mini_sequence import mini_sequence_mlp
+
+S = 200  # against chunks of 48: uneven, the last one short
+
+
+def batch(seed=0):
+    """Two rows, the second left-padded; padding and some leading tokens of the first ignored in the labels."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (2, S), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, :20] = -100
+    return ids, mask, labels
+
+
+def loss_of(model, ids, mask, labels):
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def train_step(family, step, checkpointing=False, **fields):
+    # use_cache=False: upstream warns (logger.warning_once, not traceable) when a checkpointed model is asked to cache.
+    model = make_model(family, seed=1, attn_implementation="sdpa", use_cache=False, **fields).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    torch._dynamo.reset()
+    loss = step(model, *batch())
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    missing = [name for name, grad in grads.items() if grad is None]
+    assert not missing, f"no gradient for {missing}"
+    return loss.detach(), grads
+
+
+def assert_same_step(got, ref, tol=1e-5):
+    (loss, grads), (ref_loss, ref_grads) = got, ref
+    assert rel_err(loss, ref_loss) < tol, (loss, ref_loss)
+    worst = max(grads, key=lambda name: rel_err(grads[name], ref_grads[name]))
+    assert rel_err(grads[worst], ref_grads[worst]) < tol, (worst, rel_err(grads[worst], ref_grads[worst]))
+
+
+@pytest.mark.parametrize("family,checkpointing", [("llama", False), ("llama", True), ("qwen3", False)])
+def test_mini_sequence_compiles_fullgraph_and_is_exact(family, checkpointing):
+    """`fullgraph=True` raises at the first graph break: the step has none. (At mst.9 it had 12, from the chunked
+    Functions, whose backward calls autograd.grad, and the first-step check's hook removal.)"""
+    ref = train_step(family, loss_of, checkpointing)
+    compiled = train_step(family, torch.compile(loss_of, fullgraph=True), checkpointing, mini_sequence_chunk=48)
+    assert_same_step(compiled, ref)
+
+
+def test_mini_sequence_mlp_under_compile_replays_dropout_masks(monkeypatch):
+    """LoRA dropout inside the MLP: the compiled chunked MLP must give the gradient of the masks its forward drew.
+    Reference: the same chunks under plain autograd, compiled too; inductor draws with eager's random ops
+    (`fallback_random`), so both forwards draw the same masks, and a recomputation that drew new ones would
+    change the gradients (checked below: they differ from the dropout-free ones)."""
+    import peft
+
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(make_model("llama").config)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["gate_proj", "up_proj", "down_proj"])
+    mlp = peft.inject_adapter_in_model(config, mlp).train()
+    for name, p in mlp.named_parameters():
+        if "lora_B" in name:  # LoRA B starts at zero; make the adapter contribute
+            torch.nn.init.normal_(p, std=0.1)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    x = torch.randn(2, S, 32, requires_grad=True)
+    weights = torch.randn(2, S, 32)
+
+    def chunks_by_autograd(x):
+        return torch.cat([mlp(x[:, start : start + 48]) for start in range(0, S, 48)], dim=1)
+
+    def grads_of(fn, seed):
+        torch._dynamo.reset()
+        torch.manual_seed(seed)
+        out = torch.compile(fn, fullgraph=True)(x)
+        return [out, *torch.autograd.grad((out * weights).sum(), [x, *params])]
+
+    ref = grads_of(chunks_by_autograd, 5)
+    got = grads_of(lambda x: mini_sequence_mlp(mlp, x, 48), 5)
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-5
+    other_masks = grads_of(chunks_by_autograd, 6)
+    assert max(rel_err(a, b) for a, b in zip(other_masks[1:], ref[1:])) > 0.05  # dropout really draws
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_streaming_under_compile_is_exact(family):
+    """Llama streams through the hand-written layout, Qwen3 through the generic layer (streaming_backward/)."""
+    ref = train_step(family, loss_of)
+    compiled = train_step(family, torch.compile(loss_of), streaming_backward_chunk=48, mini_sequence_chunk=48)
+    assert_same_step(compiled, ref)
