@@ -72,10 +72,10 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm_head_memory import MIB, CustomOpTracker, fake_parameters, make_inputs  # noqa: E402
+from lm_head_memory import MIB, fake_parameters, make_inputs  # noqa: E402
 
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
-from transformers.mini_sequence import config, loss  # noqa: E402
+from transformers.mini_sequence import LiveTensorTracker, config, loss  # noqa: E402
 
 METHODS = ("torch-lce", "ALST", "ours", "upstream")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -193,7 +193,7 @@ def peak_mib(method, dtype, tokens, hidden_size, vocab, chunk, fake, default_opt
             stack.enter_context(fake_parameters([loss]))
         head, hidden, labels = make_inputs(tokens, hidden_size, vocab, dtype)
         kwargs = {"default_options": True} if default_options else {}
-        with CustomOpTracker(keep_largest=0) as tracker:
+        with LiveTensorTracker(keep_largest=0) as tracker:
             result = RUNNERS[method](head, hidden, labels, chunk, **kwargs)
             del result
     return tracker.peak_bytes / MIB

@@ -5,10 +5,9 @@
   bf16 after     bf16 head: the installed loss.py
 
 Forward + backward of the head and loss (gradients for the hidden states and the head weight),
-"auto" chunk size. Peak: ``CustomOpTracker`` below (``LiveTensorTracker``, exact live tensor bytes
-allocated during the step, weights and inputs excluded, also inside torch's custom ops: until the LM-head
-anchors work (scripts/lm_head_anchors.py) the fp32 row missed the [chunk, V] logits of
-``F.linear_cross_entropy``, a custom op whose body a dispatch mode does not see). Time: median of --repeats steps after a warm-up, the cases
+"auto" chunk size. Peak: ``LiveTensorTracker`` (exact live tensor bytes
+allocated during the step, weights and inputs excluded, also inside torch's custom ops: before 5.24.0+mst.10 it
+missed the [chunk, V] logits of ``F.linear_cross_entropy``, a custom op whose body a dispatch mode does not see). Time: median of --repeats steps after a warm-up, the cases
 interleaved so that machine noise hits them alike; ratios are printed because the machine is
 noisy.
 
@@ -97,29 +96,10 @@ def fake_parameters(modules):
                 m._is_plain_tensor = plain
 
 
-class CustomOpTracker(LiveTensorTracker):
-    """``LiveTensorTracker`` that also sees inside ``torch.library.custom_op`` operators with a Python body.
-
-    A dispatch mode sees a custom op as one call: the temporaries its body allocates and frees are invisible.
-    torch 2.13's chunked ``F.linear_cross_entropy`` is such an op (``torch_nn::_linear_cross_entropy_batch_
-    chunked``): tracked as one call, its [chunk, V] logits never show and its peak is undercounted (a
-    fp32 2048 x 64 x 32000 step read 16.6 MiB whatever the chunk size). Here the op's body runs with the
-    tracker (and, under FakeTensorMode, fake tensors) active, so every tensor it allocates is counted."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._library.custom_ops import _maybe_get_opdef
-
-        opdef = _maybe_get_opdef(func)
-        if opdef is None:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        with self:
-            return opdef._init_fn(*args, **(kwargs or {}))
-
-
 def peak_mib(fn, module, dtype, tokens, hidden_size, vocab, chunk, fake=False):
     with FakeTensorMode() if fake else contextlib.nullcontext(), fake_parameters([module]) if fake else contextlib.nullcontext():
         head, hidden, labels = make_inputs(tokens, hidden_size, vocab, dtype)
-        with CustomOpTracker(keep_largest=0) as tracker:
+        with LiveTensorTracker(keep_largest=0) as tracker:
             result = step(fn, head, hidden, labels, chunk, vocab)
             del result
     return tracker.peak_bytes / MIB

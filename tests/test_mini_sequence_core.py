@@ -609,6 +609,20 @@ def test_loss_vocab_mismatch_raises():
 # --------------------------------------------------------------------------- memory
 
 
+def test_live_tensor_tracker_sees_inside_custom_ops():
+    """torch's chunked F.linear_cross_entropy is a `torch.library` custom op: one call to a dispatch mode. Its
+    [chunk, V] fp32 logits (here 1024 x 8000 x 4 B = 31.25 MiB) must count; before the tracker ran custom ops'
+    bodies under itself, this step read about 4 MiB whatever the chunk size."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2048, 16, requires_grad=True)
+    weight = torch.randn(8000, 16, requires_grad=True)
+    labels = torch.randint(0, 8000, (2048,))
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=1024, chunking_method=None)
+    with LiveTensorTracker() as tracker:
+        F.linear_cross_entropy(hidden, weight, labels, reduction="sum", options=options).backward()
+    assert tracker.peak_bytes >= 1024 * 8000 * 4
+
+
 def test_live_tensor_tracker_known_sizes():
     before = torch.randn(1000)  # baseline: not counted
     with LiveTensorTracker() as tracker:

@@ -11,7 +11,8 @@ are not counted; only allocations made inside the ``with`` block count, and the 
 relative to that baseline of 0. Storages allocated inside and still alive at exit stay in
 ``current_bytes``.
 
-Limits: allocations made outside the dispatcher (e.g. by a C++ autograd kernel that
+Operators defined in Python with ``torch.library.custom_op`` run their body under the tracker, so that its
+temporaries count. Limits: allocations made outside the dispatcher (e.g. by a C++ autograd kernel that
 allocates without returning the tensor through an operator call) are invisible; gradient
 tensors created by the autograd engine for accumulation go through operators and are seen.
 """
@@ -19,6 +20,7 @@ tensors created by the autograd engine for accumulation go through operators and
 import weakref
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -70,6 +72,14 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        custom_op = _maybe_get_opdef(func)
+        if custom_op is not None:
+            # A `torch.library.custom_op` is one call to a dispatch mode: the temporaries of its Python body would
+            # not be seen (torch's chunked F.linear_cross_entropy is one; its [chunk, V] logits went uncounted, the
+            # LM-head anchors in docs/measurements.md). Run the body here, under this mode: every tensor it
+            # allocates, the outputs included, is tracked.
+            with self:
+                return custom_op._init_fn(*args, **kwargs)
         out = func(*args, **kwargs)
         # In-place / out= ops return an existing tensor: it is only new if its storage is new.
         known_inputs = set()
