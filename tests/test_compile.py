@@ -63,7 +63,7 @@ def test_mini_sequence_compiles_fullgraph_and_is_exact(family, checkpointing):
     assert_same_step(compiled, ref)
 
 
-def test_mini_sequence_mlp_under_compile_replays_dropout_masks(monkeypatch):
+def test_mini_sequence_mlp_under_compile_replays_dropout_masks():
     """LoRA dropout inside the MLP: the compiled chunked MLP must give the gradient of the masks its forward drew.
     Reference: the same chunks under plain autograd, compiled too; inductor draws with eager's random ops
     (`fallback_random`), so both forwards draw the same masks, and a recomputation that drew new ones would
@@ -72,7 +72,6 @@ def test_mini_sequence_mlp_under_compile_replays_dropout_masks(monkeypatch):
 
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
     torch.manual_seed(0)
     mlp = LlamaMLP(make_model("llama").config)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["gate_proj", "up_proj", "down_proj"])
@@ -90,8 +89,9 @@ def test_mini_sequence_mlp_under_compile_replays_dropout_masks(monkeypatch):
     def grads_of(fn, seed):
         torch._dynamo.reset()
         torch.manual_seed(seed)
-        out = torch.compile(fn, fullgraph=True)(x)
-        return [out, *torch.autograd.grad((out * weights).sum(), [x, *params])]
+        with torch._inductor.config.patch(fallback_random=True):
+            out = torch.compile(fn, fullgraph=True)(x)
+            return [out, *torch.autograd.grad((out * weights).sum(), [x, *params])]
 
     ref = grads_of(chunks_by_autograd, 5)
     got = grads_of(lambda x: mini_sequence_mlp(mlp, x, 48), 5)
