@@ -9,28 +9,28 @@ import inspect
 from ..adjoint_sharding.config import CHUNK_FIELD_NAME, TRUNCATION_FIELD_NAME, validate_adjoint_sharding
 from ..utils import logging
 from .config import FIELD_NAME, STREAMING_FIELD_NAME, validate_mini_sequence_chunk, validate_streaming_backward_chunk
+from .families import model_types
 
 
 logger = logging.get_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2")
-# mini_sequence_chunk only (MLP or MoE block, final norm, LM head + loss; patches 0002-0004, 0012): the families
-# added in 5.24.0+mst.9. Gemma-3's text model is "gemma3_text"; the multimodal "gemma3" reads text_config's field.
-MINI_SEQUENCE_MODEL_TYPES = SUPPORTED_MODEL_TYPES + (
-    "qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss"
-)
+# Views of the registry (families.py) by what each check needs.
+# The four families with every path (hand-written streamed layouts, Ulysses, the planner's original set).
+SUPPORTED_MODEL_TYPES = model_types(streaming="layout")
+# mini_sequence_chunk's MLP or MoE block, final norm, LM head + loss (patches 0002-0004, 0012).
+MINI_SEQUENCE_MODEL_TYPES = model_types(mini_sequence=("mlp", "moe"))
 # Composite models whose own LM head + loss is chunked when their text config sets mini_sequence_chunk.
-TEXT_CONFIG_LM_HEAD_MODEL_TYPES = ("gemma3",)
+TEXT_CONFIG_LM_HEAD_MODEL_TYPES = model_types(mini_sequence="text_config")
 # streaming_backward_chunk through the generic streamed layer (streaming_backward/layer.py: the layer's own
 # forward per query chunk), tested in tests/test_streaming_families.py.
-GENERIC_STREAMING_MODEL_TYPES = ("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe")
+GENERIC_STREAMING_MODEL_TYPES = model_types(streaming="generic")
 # State-space models: adjoint sharding; they have no MLP, so mini_sequence_chunk chunks their LM head + loss.
-ADJOINT_MODEL_TYPES = ("mamba", "falcon_mamba")
+ADJOINT_MODEL_TYPES = model_types(adjoint=True)
 # Each field of ours -> the model types that have its path. Set on any other model type, a field is validated,
 # saved with the config and ignored, with a warning.
 FIELD_MODEL_TYPES = {
-    FIELD_NAME: MINI_SEQUENCE_MODEL_TYPES + ADJOINT_MODEL_TYPES,
-    STREAMING_FIELD_NAME: SUPPORTED_MODEL_TYPES + GENERIC_STREAMING_MODEL_TYPES,
+    FIELD_NAME: model_types(mini_sequence=("mlp", "moe", "lm_head")),
+    STREAMING_FIELD_NAME: model_types(streaming=("layout", "generic")),
     CHUNK_FIELD_NAME: ADJOINT_MODEL_TYPES,
     TRUNCATION_FIELD_NAME: ADJOINT_MODEL_TYPES,
 }

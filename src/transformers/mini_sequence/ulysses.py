@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import torch
 
+from .families import model_types
+
 # Model types whose masks are exactly create_causal_mask / create_sliding_window_causal_mask of
-# (config, padding mask, position_ids), chosen by the attention module's `sliding_window`.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
+# (config, padding mask, position_ids), chosen by the attention module's `sliding_window` (families.py).
+SUPPORTED_MODEL_TYPES = model_types(ulysses=True)
 
 _rebuilding = False  # True while we call the model's mask function ourselves
 

@@ -4,7 +4,7 @@
 so, runs `decoder_layer_forward` instead. Two implementations sit behind these entry points today:
 
 - layer.py: the generic streamed layer, the layer's own forward per query chunk with its K/V met at the `Cache`
-  seam (cache.py, masks.py). Every model type in `support.GENERIC_STREAMING_MODEL_TYPES` runs it.
+  seam (cache.py, masks.py). Every model type whose entry in `mini_sequence/families.py` says `streaming="generic"` runs it.
 - mini_sequence/streaming.py: the hand-written Llama-like / Gemma-2 layouts, still the path of llama, mistral,
   qwen2 and gemma2 (its CPU key slabs, FlashAttention chunks, row blocks and the memory planner are not ported
   yet); `layer.EVERY_LAYER = True` sends those through layer.py too.

@@ -53,11 +53,11 @@ EVERY_LAYER = False
 
 
 def streams(layer) -> bool:
-    """Whether this path streams `layer` (its model type was tested with it; support.py lists them)."""
-    from ..mini_sequence.support import GENERIC_STREAMING_MODEL_TYPES
+    """Whether this path streams `layer` (its model type was tested with it: mini_sequence/families.py)."""
+    from ..mini_sequence.families import model_types
 
     config = getattr(getattr(layer, "self_attn", None), "config", None)
-    return getattr(config, "model_type", None) in GENERIC_STREAMING_MODEL_TYPES
+    return getattr(config, "model_type", None) in model_types(streaming="generic")
 
 
 def _slice_rows(value, start, end, seq_len):

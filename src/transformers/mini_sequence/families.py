@@ -1,0 +1,94 @@
+"""The model families transformers-mst has a path for: one entry per `model_type`.
+
+Read by the model checks (`support.py`: which field applies where), the generic streamed layer (which families it
+streams), Ulysses (whose masks it can rebuild) and the README's support matrix (`support_matrix()`, compared with
+README.md by tests/test_families.py). Imports nothing: support.py is imported by configuration_utils.
+"""
+
+from typing import NamedTuple
+
+
+class Family(NamedTuple):
+    name: str  # as the README names it
+    # What mini_sequence_chunk chunks: "mlp" (MLP, final norm, LM head + loss), "moe" (the same with MoE blocks by
+    # token chunks), "lm_head" (LM head + loss only: state-space models), "text_config" (a composite whose text
+    # config carries the field), or None.
+    mini_sequence: str | None
+    # How streaming_backward_chunk streams its decoder layers: "layout" (mini_sequence/streaming.py), "generic"
+    # (streaming_backward/: the layer's own forward per query chunk), or None.
+    streaming: str | None = None
+    streaming_attention: tuple = ()  # attention implementations streaming is tested with
+    no_streaming: str = "ignored"  # the README's word where streaming is None
+    ulysses: bool = False  # Ulysses rebuilds this family's whole-sequence masks exactly
+    adjoint: bool = False  # adjoint_sharding_chunk / adjoint_truncation
+
+
+_LAYOUT_ATTENTION = ("sdpa", "eager", "flash_attention_2")
+_GENERIC_ATTENTION = ("sdpa", "eager")
+
+FAMILIES = {
+    "llama": Family("Llama", "mlp", "layout", _LAYOUT_ATTENTION, ulysses=True),
+    "qwen2": Family("Qwen2", "mlp", "layout", _LAYOUT_ATTENTION, ulysses=True),
+    "mistral": Family("Mistral", "mlp", "layout", _LAYOUT_ATTENTION, ulysses=True),
+    # Gemma-2's softcapped attention has no SDPA path upstream.
+    "gemma2": Family("Gemma-2", "mlp", "layout", ("eager", "flash_attention_2"), ulysses=True),
+    "qwen3": Family("Qwen3", "mlp", "generic", _GENERIC_ATTENTION),
+    "phi3": Family("Phi-3", "mlp", "generic", _GENERIC_ATTENTION),
+    "olmo2": Family("OLMo-2", "mlp", "generic", _GENERIC_ATTENTION),
+    "gemma3_text": Family("Gemma-3 text", "mlp", "generic", _GENERIC_ATTENTION),
+    "mixtral": Family("Mixtral", "moe", "generic", _GENERIC_ATTENTION),
+    "qwen3_moe": Family("Qwen3-MoE", "moe", "generic", _GENERIC_ATTENTION),
+    "gpt_oss": Family("GPT-OSS", "moe", no_streaming="ignored (not tried)"),
+    "gemma3": Family("Gemma-3 multimodal", "text_config", no_streaming="not tried"),
+    "mamba": Family("Mamba", "lm_head", adjoint=True),
+    "falcon_mamba": Family("FalconMamba", "lm_head", adjoint=True),
+}
+
+
+def model_types(**wanted) -> tuple:
+    """The model types whose entry has every given value, e.g. `model_types(streaming="generic")`; a tuple value
+    means any of its members (`model_types(mini_sequence=("mlp", "moe"))`)."""
+
+    def matches(family, key, value):
+        return getattr(family, key) in value if isinstance(value, tuple) else getattr(family, key) == value
+
+    return tuple(t for t, family in FAMILIES.items() if all(matches(family, k, v) for k, v in wanted.items()))
+
+
+_MINI_SEQUENCE_CELLS = {
+    "mlp": "yes",
+    "moe": "yes, MoE blocks (router aux loss exact)",
+    "lm_head": "LM head + loss",
+    "text_config": "on `text_config`: text MLP and the composite's LM head + loss",
+    None: "ignored",
+}
+
+
+def _cells(family: Family) -> tuple:
+    if family.streaming is None:
+        streaming = family.no_streaming
+    else:
+        kind = " (generic layer)" if family.streaming == "generic" else ""
+        streaming = f"yes{kind}: {', '.join(family.streaming_attention)}"
+    return _MINI_SEQUENCE_CELLS[family.mini_sequence], streaming, "yes" if family.adjoint else "ignored"
+
+
+def support_matrix() -> str:
+    """The README's table: one row per run of consecutive families with the same cells."""
+    rows = []
+    for model_type, family in FAMILIES.items():
+        cells = _cells(family)
+        if rows and rows[-1][1] == cells:
+            rows[-1][0].append((family.name, model_type))
+        else:
+            rows.append(([(family.name, model_type)], cells))
+    lines = [
+        "| family (`model_type`) | `mini_sequence_chunk` | `streaming_backward_chunk` | adjoint fields |",
+        "|---|---|---|---|",
+    ]
+    for members, cells in rows:
+        names = ", ".join(name for name, _ in members)
+        types = ", ".join(f"`{t}`" for _, t in members)
+        lines.append(f"| {names} ({types}) | " + " | ".join(cells) + " |")
+    lines.append("| any other model type | ignored (warned) | ignored (warned) | ignored (warned) |")
+    return "\n".join(lines)

@@ -1,0 +1,45 @@
+"""The registry of families (mini_sequence/families.py) against what reads it: the README's support matrix, the
+tiny test configs, and the checks that derive their model types from it."""
+
+from pathlib import Path
+
+import pytest
+
+import tiny_models
+from transformers.mini_sequence import families, support, ulysses
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_support_matrix_is_the_registry():
+    """The README's table must be `support_matrix()` verbatim: edit families.py, then paste its output."""
+    text = README.read_text()
+    start = text.index("| family (`model_type`) |")
+    end = text.index("\n", text.index("| any other model type |"))
+    assert text[start:end] == families.support_matrix(), (
+        "README.md's support matrix differs from the registry; replace it with "
+        "`python -c 'from transformers.mini_sequence import families; print(families.support_matrix())'`"
+    )
+
+
+def test_every_family_has_a_tiny_test_config():
+    tiny = set(tiny_models.FAMILIES) | set(tiny_models.NEW_FAMILIES) | set(tiny_models.SSM_FAMILIES)
+    # gemma3 (multimodal) is built around gemma3_text's tiny config in tests/test_new_families.py.
+    assert tiny | {"gemma3"} == set(families.FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", sorted(families.FAMILIES))
+def test_checks_follow_the_registry(model_type):
+    family = families.FAMILIES[model_type]
+    applies = {field: model_type in types for field, types in support.FIELD_MODEL_TYPES.items()}
+    assert applies["mini_sequence_chunk"] == (family.mini_sequence in ("mlp", "moe", "lm_head"))
+    assert applies["streaming_backward_chunk"] == (family.streaming is not None)
+    assert applies["adjoint_sharding_chunk"] == applies["adjoint_truncation"] == family.adjoint
+    assert (model_type in ulysses.SUPPORTED_MODEL_TYPES) == family.ulysses
+    assert (family.streaming is None) == (family.streaming_attention == ())
+
+
+def test_model_types_filters():
+    assert families.model_types(streaming="layout") == ("llama", "qwen2", "mistral", "gemma2")
+    assert set(families.model_types(mini_sequence="moe")) == set(tiny_models.MOE_FAMILIES)
+    assert families.model_types(adjoint=True, mini_sequence="mlp") == ()
