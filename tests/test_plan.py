@@ -446,10 +446,19 @@ PINNED_PEAK_GIB = {"vanilla": 0.02, "checkpointing": 0.03, "mini_sequence": 0.03
 
 
 def test_search_maxima_equal_the_pinned_values(tmp_path):
+    """In one process and with the methods' searches in two forked processes (--jobs 2): the same numbers."""
     transformers.LlamaConfig(**PINNED_CONFIG).save_pretrained(tmp_path)
-    got = plan.plan(str(tmp_path / "config.json"), 0.03, "adamw-bf16", True, granularity=256)
-    assert got["max_seq_len"] == PINNED_MAX_SEQ_LEN and got["peak_gib_at_max"] == PINNED_PEAK_GIB, got
-    assert got["not_planned"] == {}
+    for jobs in (1, 2):
+        got = plan.plan(str(tmp_path / "config.json"), 0.03, "adamw-bf16", True, granularity=256, jobs=jobs)
+        assert got["max_seq_len"] == PINNED_MAX_SEQ_LEN and got["peak_gib_at_max"] == PINNED_PEAK_GIB, (jobs, got)
+        assert got["not_planned"] == {}
+
+
+def test_bad_jobs(capsys, tiny_config):
+    with pytest.raises(plan.PlanError, match="--jobs 0: allowed a positive number of processes"):
+        plan.plan(str(tiny_config), 80, jobs=0)
+    code, _, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "80", "--jobs", "two")
+    assert code == 2 and "--jobs" in err and "invalid int value" in err
 
 
 def test_progress_bar_goes_to_stderr(capsys, tiny_config):

@@ -5,6 +5,7 @@
         --gpus 8 --zero 3 --sp 8 --offload optimizer inputs   # per GPU of 8 (ZeRO-3, Ulysses)
     python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 \
         --methods mini_sequence+streaming --seq-len 1048576     # does this length fit? (no search)
+    ... --jobs 2                                                # the methods' searches in 2 processes
 
 For each method (vanilla, checkpointing, mini_sequence, mini_sequence+checkpointing, streaming,
 mini_sequence+streaming) it runs one training step (forward + backward) of the full-size model under `FakeTensorMode` on the
@@ -53,6 +54,7 @@ import contextlib
 import functools
 import json
 import math
+import multiprocessing
 import sys
 import weakref
 from dataclasses import dataclass
@@ -632,9 +634,13 @@ def search_max_fitting(peak, budget, granularity, limit):
 
 
 def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024,
-         gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto", seq_lens=None, progress=False):
+         gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto", seq_lens=None, progress=False,
+         jobs=1):
     """Search each method's longest fitting sequence, or with `seq_lens` evaluate those lengths only.
-    `progress`: show a bar of the fake steps on stderr (the command line does)."""
+    `progress`: show a bar of the fake steps on stderr (the command line does). `jobs` > 1: the methods'
+    searches run in that many forked processes (each search is independent: the same steps, the same numbers)."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise PlanError(f"--jobs {jobs!r}: allowed a positive number of processes")
     parallel = Parallel(gpus, zero, sp, tuple(offload))
     for seq in seq_lens or ():
         if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0 or seq % sp:
@@ -679,7 +685,59 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
                       host_state_gib=round(planner.host_state_bytes / GIB, 2), host_gib_at_max={})
     with tqdm(desc=f"{model}: fake training steps", unit="step", file=sys.stderr, disable=not progress,
               mininterval=0.5) as planner.progress:
+        if jobs > 1 and not seq_lens and len(methods) > 1:
+            _search_in_processes(planner, methods, budget, granularity, jobs)
         return _measure(result, planner, methods, seq_lens, budget, granularity, parallel, gpu_memory_gib, model, state)
+
+
+class _QueueProgress:
+    """A worker's stand-in for the tqdm bar: sends its updates to the parent, which shows them."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def set_postfix_str(self, text):
+        self.events.put(("postfix", text))
+
+    def update(self):
+        self.events.put(("update", None))
+
+
+_WORKER = None  # (planner, budget, granularity, events): set before forking, read by the workers
+
+
+def _search_worker(method):
+    planner, budget, granularity, events = _WORKER
+    planner.progress = _QueueProgress(events)
+    planner.max_seq_len(method, budget, granularity)
+    return ({k: v for k, v in planner._peaks.items() if k[0] == method},
+            {k: v for k, v in planner._host.items() if k[0] == method})
+
+
+def _search_in_processes(planner, methods, budget, granularity, jobs):
+    """Each method's search in a forked worker; their fake steps' peaks come back into `planner`'s memo,
+    so `_measure` then reads every answer without another step."""
+    global _WORKER
+    context = multiprocessing.get_context("fork")
+    events = context.SimpleQueue()
+    bar, _WORKER = planner.progress, (planner, budget, granularity, events)
+    try:
+        with context.Pool(min(jobs, len(methods))) as pool:
+            pending = pool.map_async(_search_worker, methods)
+            while not (pending.ready() and events.empty()):
+                if events.empty():
+                    pending.wait(0.2)
+                    continue
+                kind, text = events.get()
+                if kind == "postfix":
+                    bar.set_postfix_str(text)
+                else:
+                    bar.update()
+            for peaks, host in pending.get():
+                planner._peaks.update(peaks)
+                planner._host.update(host)
+    finally:
+        _WORKER = None
 
 
 def _measure(result, planner, methods, seq_lens, budget, granularity, parallel, gpu_memory_gib, model, state):
@@ -743,12 +801,14 @@ def main(argv=None):
                         help='streaming_backward_chunk of the streamed methods: "auto" (default) or query tokens per chunk')
     parser.add_argument("--seq-len", nargs="+", type=int, default=None, metavar="TOKENS",
                         help="evaluate these whole-sequence lengths (peak, host memory, fits?) instead of searching")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="search the methods in this many processes (e.g. the CPU cores); same results")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
         result = plan(args.model, args.gpu_memory_gib, args.optimizer, args.optimizer_in_backward, args.granularity,
                       args.gpus, args.zero, args.sp, args.offload, args.methods, args.streaming_chunk, args.seq_len,
-                      progress=True)
+                      progress=True, jobs=args.jobs)
     except PlanError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if args.json:
