@@ -5,6 +5,7 @@
         --gpus 8 --zero 3 --sp 8 --offload optimizer inputs   # per GPU of 8 (ZeRO-3, Ulysses)
     python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 \
         --methods mini_sequence+streaming --seq-len 1048576     # does this length fit? (no search)
+    ... --jobs 2                                                # the methods' searches in 2 processes
 
 For each method (vanilla, checkpointing, mini_sequence, mini_sequence+checkpointing, streaming,
 mini_sequence+streaming) it runs one training step (forward + backward) of the full-size model under `FakeTensorMode` on the
@@ -38,6 +39,10 @@ Assumptions (printed with every result):
   plainly causal batch (no padding, packing or window shorter than it) takes torch's lower-right
   causal bias, which dispatches to that kernel (not run on a GPU here); a batch with a mask builds a
   [chunk, prefix] mask per chunk and repeats K/V to all heads (HF's SDPA path), not counted here;
+- MoE layers (Mixtral, Qwen3-MoE, GPT-OSS) run upstream's default `grouped_mm` experts path: each
+  token's top-k copies are gathered, sorted by expert and multiplied, so the memory does not depend
+  on the routing; GPT-OSS's attention sinks are assumed to be in the FlashAttention-style kernel too;
+  a method whose path a family lacks (streaming on GPT-OSS) is listed as not planned, with the reason;
 Left out: the CUDA context and library workspaces (cuBLAS, NCCL: typically 0.5-2 GiB),
 allocator fragmentation and caching, kernels' scratch memory (e.g. FlashAttention-2's backward
 allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all heads: up to about
@@ -49,6 +54,7 @@ import contextlib
 import functools
 import json
 import math
+import multiprocessing
 import sys
 import weakref
 from dataclasses import dataclass
@@ -57,6 +63,7 @@ from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from tqdm import tqdm
 
 import transformers
 from transformers import AttentionInterface
@@ -65,7 +72,8 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from . import streaming
 from .config import validate_streaming_backward_chunk
 from .memory import LiveTensorTracker
-from .support import SUPPORTED_MODEL_TYPES
+from .support import (GENERIC_STREAMING_MODEL_TYPES, MINI_SEQUENCE_MODEL_TYPES, SUPPORTED_MODEL_TYPES,
+                      TEXT_CONFIG_LM_HEAD_MODEL_TYPES)
 
 
 GIB = 2**30
@@ -108,6 +116,33 @@ BUILTIN = {
                                        num_attention_heads=16, num_key_value_heads=8, head_dim=256,
                                        query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
                                        attn_logit_softcapping=50.0, tie_word_embeddings=True)),
+    # Qwen/Qwen3-14B, Qwen/Qwen3-32B (dense, q/k norms, untied head).
+    "qwen3-14b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)),
+    "qwen3-32b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)),
+    # google/gemma-3-12b-it and -27b-it: their config.json's text_config (the planner plans the text stack); five
+    # sliding-window (1024) layers per full-attention one (Gemma3TextConfig's default pattern), tied head.
+    "gemma3-12b": ("Gemma3TextConfig", dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                                            num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+                                            head_dim=256, query_pre_attn_scalar=256, sliding_window=1024)),
+    "gemma3-27b": ("Gemma3TextConfig", dict(vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+                                            num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+                                            head_dim=128, query_pre_attn_scalar=168, sliding_window=1024)),
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, 8 per token, in every layer.
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                             moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                             num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                             decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                             rope_theta=1000000.0)),
+    # openai/gpt-oss-20b: 32 experts, 4 per token; sliding (128) and full attention layers alternate.
+    "gpt-oss-20b": ("GptOssConfig", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                         num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                         num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False)),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token; no sliding window.
+    "mixtral-8x7b": ("MixtralConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                           num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                           num_experts_per_tok=2, sliding_window=None, rope_theta=1000000.0)),
 }
 MULTI_GPU_ASSUMPTIONS = """
 Multi-GPU (--gpus/--zero/--sp/--offload), per GPU (rank); every figure is an estimate:
@@ -285,6 +320,22 @@ def _plannable(method: str, parallel: Parallel) -> bool:
     return parallel.sp == 1 and not (parallel.zero >= 3 and "inputs" in parallel.offload)
 
 
+# Model types with a streaming_backward_chunk path (support.py); on any other the field is ignored, so a
+# streamed plan would silently be a plain one: the planner refuses those methods for that family instead.
+STREAMING_MODEL_TYPES = SUPPORTED_MODEL_TYPES + GENERIC_STREAMING_MODEL_TYPES
+
+
+def family_refusal(method: str, model_type: str):
+    """Why `method` cannot be planned for `model_type` (a sentence), or None if it can."""
+    settings = METHODS[method]
+    if settings.streaming_backward_chunk is not None and model_type not in STREAMING_MODEL_TYPES:
+        return (f"model_type {model_type!r} has no streaming_backward_chunk path (not implemented yet; "
+                f"streamed families: {', '.join(STREAMING_MODEL_TYPES)})")
+    if settings.mini_sequence_chunk is not None and model_type not in MINI_SEQUENCE_MODEL_TYPES:
+        return f"model_type {model_type!r} has no mini_sequence_chunk path (families: {', '.join(MINI_SEQUENCE_MODEL_TYPES)})"
+    return None
+
+
 def check_methods(methods, parallel: Parallel):
     """Raise PlanError for an unknown method or one the parallel settings cannot plan."""
     unknown = [m for m in methods if m not in METHODS]
@@ -422,9 +473,11 @@ def load_config(model: str):
         config = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
     except (OSError, ValueError) as err:
         raise PlanError(f"--model {model}: cannot read a config.json there ({err})") from None
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    if config.model_type in TEXT_CONFIG_LM_HEAD_MODEL_TYPES:  # Gemma-3: the planner plans the text stack
+        config = config.get_text_config()
+    if config.model_type not in MINI_SEQUENCE_MODEL_TYPES:
         raise PlanError(f"--model {model}: model_type {config.model_type!r} is not supported; "
-                        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                        f"supported: {', '.join(MINI_SEQUENCE_MODEL_TYPES + TEXT_CONFIG_LM_HEAD_MODEL_TYPES)}")
     return config
 
 
@@ -445,6 +498,7 @@ class Planner:
         self.config = config
         self._peaks = {}  # (method, seq_len) -> peak bytes per GPU, resident included
         self._host = {}  # (method, seq_len) -> host bytes per GPU (offloaded layer inputs at their peak)
+        self.progress = None  # a tqdm bar: one tick per fake step, its postfix names the step running
         self.optimizer = optimizer
         self.optimizer_in_backward = optimizer_in_backward
         with FakeTensorMode():
@@ -504,6 +558,9 @@ class Planner:
         rank runs seq_len / sp of them; fake tensors unless fake=False, which runs the same step
         for real: the tests compare the two)."""
         check_methods([method], self.parallel)
+        refusal = family_refusal(method, self.config.model_type)
+        if refusal:
+            raise PlanError(f"{method}: not planned: {refusal}")
         with FakeTensorMode() if fake else contextlib.nullcontext():
             model, hooks = self._build(METHODS[method])
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
@@ -516,7 +573,11 @@ class Planner:
         """Resident bytes + the step's peak at `seq_len` (memoized: each new value is a fake step)."""
         key = (method, seq_len)
         if key not in self._peaks:
+            if self.progress is not None:
+                self.progress.set_postfix_str(f"{method} at {seq_len} tokens")
             self._peaks[key] = self.resident_bytes + self.step_peak_bytes(method, seq_len)
+            if self.progress is not None:
+                self.progress.update()
         return self._peaks[key]
 
     def host_bytes(self, method, seq_len):
@@ -573,8 +634,13 @@ def search_max_fitting(peak, budget, granularity, limit):
 
 
 def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024,
-         gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto", seq_lens=None):
-    """Search each method's longest fitting sequence, or with `seq_lens` evaluate those lengths only."""
+         gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto", seq_lens=None, progress=False,
+         jobs=1):
+    """Search each method's longest fitting sequence, or with `seq_lens` evaluate those lengths only.
+    `progress`: show a bar of the fake steps on stderr (the command line does). `jobs` > 1: the methods'
+    searches run in that many forked processes (each search is independent: the same steps, the same numbers)."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise PlanError(f"--jobs {jobs!r}: allowed a positive number of processes")
     parallel = Parallel(gpus, zero, sp, tuple(offload))
     for seq in seq_lens or ():
         if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0 or seq % sp:
@@ -584,6 +650,11 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
     methods = list(methods)
     check_methods(methods, parallel)
     config = load_config(model)
+    not_planned = {m: family_refusal(m, config.model_type) for m in methods if family_refusal(m, config.model_type)}
+    if len(not_planned) == len(methods):
+        raise PlanError(f"--model {model}: none of the methods can be planned for this family: "
+                        + "; ".join(f"{m}: {why}" for m, why in not_planned.items()))
+    methods = [m for m in methods if m not in not_planned]
     if gpu_memory_gib <= 0:
         raise PlanError(f"--gpu-memory-gib must be positive, got {gpu_memory_gib}")
     if granularity <= 0:
@@ -607,10 +678,70 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
               "resident_gib": round(planner.resident_bytes / GIB, 2), "granularity": granularity,
               "measured_on": "FakeTensorMode on the CPU device, standing in for the GPU (a fake cuda device "
                              "crashes the CPU build of torch)",
-              "max_seq_len": {}, "peak_gib_at_max": {}}
+              "max_seq_len": {}, "peak_gib_at_max": {},
+              "not_planned": not_planned}  # method -> why this family cannot plan it (reported, not dropped)
     if not parallel.single:
         result.update(gpus=gpus, zero=zero, sp=sp, offload=list(parallel.offload),
                       host_state_gib=round(planner.host_state_bytes / GIB, 2), host_gib_at_max={})
+    with tqdm(desc=f"{model}: fake training steps", unit="step", file=sys.stderr, disable=not progress,
+              mininterval=0.5) as planner.progress:
+        if jobs > 1 and not seq_lens and len(methods) > 1:
+            _search_in_processes(planner, methods, budget, granularity, jobs)
+        return _measure(result, planner, methods, seq_lens, budget, granularity, parallel, gpu_memory_gib, model, state)
+
+
+class _QueueProgress:
+    """A worker's stand-in for the tqdm bar: sends its updates to the parent, which shows them."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def set_postfix_str(self, text):
+        self.events.put(("postfix", text))
+
+    def update(self):
+        self.events.put(("update", None))
+
+
+_WORKER = None  # (planner, budget, granularity, events): set before forking, read by the workers
+
+
+def _search_worker(method):
+    planner, budget, granularity, events = _WORKER
+    planner.progress = _QueueProgress(events)
+    planner.max_seq_len(method, budget, granularity)
+    return ({k: v for k, v in planner._peaks.items() if k[0] == method},
+            {k: v for k, v in planner._host.items() if k[0] == method})
+
+
+def _search_in_processes(planner, methods, budget, granularity, jobs):
+    """Each method's search in a forked worker; their fake steps' peaks come back into `planner`'s memo,
+    so `_measure` then reads every answer without another step."""
+    global _WORKER
+    context = multiprocessing.get_context("fork")
+    events = context.SimpleQueue()
+    bar, _WORKER = planner.progress, (planner, budget, granularity, events)
+    try:
+        with context.Pool(min(jobs, len(methods))) as pool:
+            pending = pool.map_async(_search_worker, methods)
+            while not (pending.ready() and events.empty()):
+                if events.empty():
+                    pending.wait(0.2)
+                    continue
+                kind, text = events.get()
+                if kind == "postfix":
+                    bar.set_postfix_str(text)
+                else:
+                    bar.update()
+            for peaks, host in pending.get():
+                planner._peaks.update(peaks)
+                planner._host.update(host)
+    finally:
+        _WORKER = None
+
+
+def _measure(result, planner, methods, seq_lens, budget, granularity, parallel, gpu_memory_gib, model, state):
+    """plan()'s measurements: the given lengths, or each method's search."""
     if seq_lens:
         result.update(points=[], max_seq_len=None, peak_gib_at_max=None)
         for method in methods:
@@ -670,11 +801,14 @@ def main(argv=None):
                         help='streaming_backward_chunk of the streamed methods: "auto" (default) or query tokens per chunk')
     parser.add_argument("--seq-len", nargs="+", type=int, default=None, metavar="TOKENS",
                         help="evaluate these whole-sequence lengths (peak, host memory, fits?) instead of searching")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="search the methods in this many processes (e.g. the CPU cores); same results")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
         result = plan(args.model, args.gpu_memory_gib, args.optimizer, args.optimizer_in_backward, args.granularity,
-                      args.gpus, args.zero, args.sp, args.offload, args.methods, args.streaming_chunk, args.seq_len)
+                      args.gpus, args.zero, args.sp, args.offload, args.methods, args.streaming_chunk, args.seq_len,
+                      progress=True, jobs=args.jobs)
     except PlanError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if args.json:
@@ -695,6 +829,8 @@ def main(argv=None):
         _print_points(result["points"])
     else:
         _print_maxima(result, args.granularity, multi)
+    for method, why in result["not_planned"].items():
+        print(f"{method:<30}not planned: {why}")
     print("\nAssumptions:\n" + result["assumptions"])
 
 
