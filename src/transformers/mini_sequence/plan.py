@@ -72,8 +72,8 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from . import streaming
 from .config import validate_streaming_backward_chunk
 from .memory import LiveTensorTracker
-from .support import (GENERIC_STREAMING_MODEL_TYPES, MINI_SEQUENCE_MODEL_TYPES, SUPPORTED_MODEL_TYPES,
-                      TEXT_CONFIG_LM_HEAD_MODEL_TYPES)
+from .families import model_types
+from .support import MINI_SEQUENCE_MODEL_TYPES, TEXT_CONFIG_LM_HEAD_MODEL_TYPES
 
 
 GIB = 2**30
@@ -320,9 +320,9 @@ def _plannable(method: str, parallel: Parallel) -> bool:
     return parallel.sp == 1 and not (parallel.zero >= 3 and "inputs" in parallel.offload)
 
 
-# Model types with a streaming_backward_chunk path (support.py); on any other the field is ignored, so a
+# Model types with a streaming_backward_chunk path (families.py); on any other the field is ignored, so a
 # streamed plan would silently be a plain one: the planner refuses those methods for that family instead.
-STREAMING_MODEL_TYPES = SUPPORTED_MODEL_TYPES + GENERIC_STREAMING_MODEL_TYPES
+STREAMING_MODEL_TYPES = model_types(streaming=("layout", "generic"))
 
 
 def family_refusal(method: str, model_type: str):
