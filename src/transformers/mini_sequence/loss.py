@@ -399,7 +399,10 @@ def mini_sequence_causal_lm_loss(
         divisor = (flat_labels != ignore_index).sum()
 
     params = function_parameters(lm_head) if torch.is_grad_enabled() else None
-    if torch.is_grad_enabled() and params is None:
+    use_linear_cross_entropy = _can_use_linear_cross_entropy(lm_head, hidden, final_logit_softcapping, vocab_size)
+    # While torch.compile traces, `function_parameters` is None for every head, but a plain fp32 head (no hooks: the
+    # check above) can still take torch's fused op, which compiles; the checkpointed chunks recompute the logits.
+    if torch.is_grad_enabled() and params is None and not (use_linear_cross_entropy and torch.compiler.is_compiling()):
         # A wrapper (ZeRO-3, FSDP, accelerate hooks) may swap the head's weight at call time: let
         # autograd see each chunk's real forward, recomputing the chunk's logits in backward.
         head = raw_forward(lm_head)
@@ -416,7 +419,7 @@ def mini_sequence_causal_lm_loss(
             return torch.stack([s.to(chunk_sums[0].device) for s in chunk_sums]).sum()
 
         loss = divide_loss_sum(call_hooks_once(lm_head, chunked_loss_sum, hidden), divisor)
-    elif _can_use_linear_cross_entropy(lm_head, hidden, final_logit_softcapping, vocab_size):
+    elif use_linear_cross_entropy:
         # Under torch.compile, torch forces allow_retain_graph=True itself, with a warning that breaks the graph.
         options = torch.nn.LinearCrossEntropyOptions(
             batch_chunk_size=chunk_size, chunking_method=None, allow_retain_graph=torch.compiler.is_compiling()
