@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.mini_sequence import LiveTensorTracker, config, loss
@@ -80,20 +80,15 @@ def step(loss_fn, head, hidden, labels, chunk, vocab):
 @contextlib.contextmanager
 def fake_parameters(modules):
     """Under FakeTensorMode parameters are FakeTensors, not ``nn.Parameter``: ``function_parameters``
-    would send the head down the wrapper path, and ``_is_plain_tensor`` (where a module has it) would keep
-    an fp32 head off ``F.linear_cross_entropy``. Let both take them (the head is a plain Linear)."""
-    saved = [(m.function_parameters, getattr(m, "_is_plain_tensor", None)) for m in modules]
+    would send the head down the wrapper path. Let it take them (the head is a plain Linear)."""
+    saved = [m.function_parameters for m in modules]
     for m in modules:
         m.function_parameters = lambda module: [p for p in module.parameters() if p.requires_grad]
-        if hasattr(m, "_is_plain_tensor"):
-            m._is_plain_tensor = lambda tensor: type(tensor) in (torch.Tensor, torch.nn.Parameter, FakeTensor)
     try:
         yield
     finally:
-        for m, (f, plain) in zip(modules, saved):
+        for m, f in zip(modules, saved):
             m.function_parameters = f
-            if plain is not None:
-                m._is_plain_tensor = plain
 
 
 def peak_mib(fn, module, dtype, tokens, hidden_size, vocab, chunk, fake=False):

@@ -58,10 +58,9 @@ tensor bytes from ``LiveTensorTracker``):
           loss off by 1.6% / 0.9% (it does not round the logits to bf16 as upstream does).
           Rechecked (N=512, d=64, V=4000): the loss comes back in bf16, 0.28% off upstream's.
 
-The fp32 / ``linear_cross_entropy`` peaks in both tables above miss that op's [chunk, V] logits:
-torch's op is a ``torch.library`` custom op, whose body ``LiveTensorTracker`` (a dispatch mode) does
-not see. ``scripts/lm_head_anchors.py`` measures inside it; its numbers (docs/measurements.md,
-"LM-head anchors") supersede these two columns.
+The fp32 / ``linear_cross_entropy`` peaks in both tables above miss that op's [chunk, V] logits: they
+were measured before ``LiveTensorTracker`` ran the bodies of ``torch.library`` custom ops under itself
+(5.24.0+mst.10). The LM-head anchors (docs/measurements.md) are measured inside it and supersede them.
 
 Hence: a plain fp32 ``nn.Linear`` head without bias, hooks or soft-capping, outside
 autocast, goes to ``linear_cross_entropy`` (faster, exact); everything else (bf16/fp16,
@@ -74,6 +73,7 @@ import torch.nn.functional as F
 
 from ._state import accumulate_grads
 from .wrappers import (
+    _is_plain_parameter,
     call_hooks_once,
     check_graph_inputs,
     checkpointed_chunks,
@@ -329,14 +329,9 @@ def _can_use_linear_cross_entropy(lm_head, hidden, softcap, vocab_size) -> bool:
         return False
     if torch.is_autocast_enabled(hidden.device.type):
         return False
-    return _is_plain_tensor(weight) and weight.device == hidden.device
-
-
-def _is_plain_tensor(tensor) -> bool:
-    # Not a tensor subclass (DTensor, a quantized weight, ...). scripts/lm_head_memory.py's
-    # ``fake_parameters`` lets FakeTensors through, so that a step measured under FakeTensorMode
-    # takes the path the real one takes.
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
+    # A registered leaf nn.Parameter (or its FakeTensor twin under FakeTensorMode): no subclass (DTensor, quantized
+    # weight) and no view installed by a wrapper (FSDP1), which the fused op could not be handed while compiling.
+    return _is_plain_parameter(weight) and weight.device == hidden.device
 
 
 def divide_loss_sum(loss_sum: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
