@@ -46,8 +46,9 @@ def build(family, seed=0, **overrides):
     return getattr(transformers, model_name)(config)
 
 
-def compare(family, chunk, inputs, monkeypatch, **model_kwargs):
-    """Flag off vs streamed by the generic layer: same loss, every gradient, and no parameter without one."""
+def compare(family, chunk, inputs, monkeypatch, prepare=None, step_kwargs=None, **model_kwargs):
+    """Flag off vs streamed by the generic layer: same loss, every gradient, and no parameter without one.
+    `prepare(model)` runs on both models (e.g. the flash_attention_2 stand-in); `step_kwargs` go to the model."""
     monkeypatch.setattr(generic, "EVERY_LAYER", True)
     calls = []
     real = generic.StreamedLayerFunction.apply
@@ -55,7 +56,9 @@ def compare(family, chunk, inputs, monkeypatch, **model_kwargs):
     results = []
     for value in (None, chunk):
         model = build(family, streaming_backward_chunk=value, **model_kwargs)
-        results.append(train_step(model, *inputs))
+        if prepare is not None:
+            model = prepare(model)
+        results.append(train_step(model, *inputs, **(step_kwargs or {})))
     assert len(calls) == model.config.num_hidden_layers, "the generic streamed layer did not run"
     assert_same_training(model, *results)
 
@@ -344,3 +347,99 @@ def test_bf16_as_accurate_as_upstream(family, monkeypatch):
 
     monkeypatch.setattr(generic, "EVERY_LAYER", True)
     assert_bf16_as_accurate_as_upstream(family, streaming_backward_chunk=9)
+
+
+# ----------------------------------------------------------------------------- flash_attention_2 (CPU stand-in)
+# test_streaming.py's reference kernels stand in for flash-attn (>= 2.1 semantics: causal and window aligned
+# bottom-right per sequence, soft-capping, GQA); upstream's own FlashAttention glue runs around them. The reference
+# asserts that no kernel call gets an empty query or key segment.
+from test_streaming import flash_reference  # noqa: E402,F401  (a pytest fixture)
+
+# Every generic family whose attention upstream runs through flash_attention_2, and the four layout families.
+FLASH_FAMILIES = sorted(GENERIC_FAMILIES) + sorted(FAMILIES)
+
+
+def flash_padded_batch(seed, seq=SEQ):
+    """Batch 3: row 1 left-padded by 9 tokens, row 2 right-padded by 8 (whole chunks of padding in both rows: those
+    rows have no query there), ignored labels."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, COMMON["vocab_size"], (3, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    mask[2, -8:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, torch.randperm(seq, generator=gen)[: seq // 4]] = -100
+    return ids, mask, labels
+
+
+@pytest.mark.parametrize("family", FLASH_FAMILIES)
+@pytest.mark.parametrize("chunk", [1, 7, SEQ + 5], ids=str)
+def test_exact_flash_attention_padded(family, chunk, flash_reference, monkeypatch):
+    compare(family, chunk, flash_padded_batch(seed_of(family, "flash", chunk)), monkeypatch, prepare=flash_reference)
+    assert "reference_flash_varlen" in flash_reference.calls
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "mixtral", "llama"])
+def test_exact_flash_attention_unpadded(family, flash_reference, monkeypatch):
+    """No mask at all: each chunk reads its causal prefix, FlashAttention aligns the causal mask bottom-right."""
+    compare(family, 5, plain_batch(seed_of(family, "flash-plain")), monkeypatch, prepare=flash_reference)
+    assert "reference_flash" in flash_reference.calls
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3", "mistral"])
+@pytest.mark.parametrize("window", [4, 16], ids=lambda w: f"window{w}")
+def test_exact_flash_attention_sliding_window(family, window, flash_reference, monkeypatch):
+    """Window smaller and larger than the chunk (7), with padding and a hole in a row's mask (the window counts
+    unpadded tokens: a padded chunk reads from key 0) and without a mask (a chunk reads from start - window + 1)."""
+    ids, mask, labels = flash_padded_batch(seed_of(family, "flash-window", window))
+    mask[0, 12:15] = 0
+    for inputs in ((ids, mask, labels.masked_fill(mask == 0, -100)), plain_batch(seed_of(family, window))):
+        compare(family, 7, inputs, monkeypatch, prepare=flash_reference, **WINDOWED[family](window))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma3_text", "llama"])
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
+def test_exact_flash_attention_packed(family, how, flash_reference, monkeypatch):
+    """Padding-free packing (TRL, DataCollatorWithFlattening): position_ids that restart, or FlashAttention's own
+    cu_seq_lens/max_length kwargs. Chunk 5 against sequences of 13, 9 and 18 tokens: chunks that start inside a
+    sequence, hold a whole one, or span two; Gemma-3 with a window of 4 on its sliding layers."""
+    lengths = [13, 9, 18]
+    gen = torch.Generator().manual_seed(seed_of(family, "flash-packed", how))
+    ids = torch.randint(1, COMMON["vocab_size"], (1, sum(lengths)), generator=gen)
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor(lengths), 0)[:-1]] = -100
+    step_kwargs = {"position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    if how == "cu_seq_lens":
+        cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int32)
+        step_kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    model_kwargs = WINDOWED[family](4) if family in WINDOWED else {}
+    compare(family, 5, (ids, None, labels), monkeypatch, prepare=flash_reference, step_kwargs=step_kwargs,
+            **model_kwargs)
+    assert "reference_flash_varlen" in flash_reference.calls
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_exact_flash_attention_wrapper_path(family, flash_reference, monkeypatch):
+    """The autograd fallback (ZeRO-3, FSDP1) with flash_attention_2, padded batch."""
+    from transformers.mini_sequence import streaming
+
+    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer, **kwargs: None)
+    monkeypatch.setattr(generic.StreamedLayerFunction, "apply", None)  # must not run
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    inputs = flash_padded_batch(seed_of(family, "flash-wrapped"))
+    results = []
+    for value in (None, 7):
+        model = flash_reference(build(family, streaming_backward_chunk=value))
+        results.append(train_step(model, *inputs))
+    assert_same_training(model, *results)
+
+
+def test_flash_attention_with_top_left_causal_mask_refused(flash_reference, monkeypatch):
+    """flash-attn < 2.1 aligns the causal mask top-left: every chunk after the first would be wrong."""
+    from transformers import modeling_flash_attention_utils as fa
+
+    monkeypatch.setattr(fa, "flash_attn_supports_top_left_mask", lambda: True)
+    model = flash_reference(build("qwen3", streaming_backward_chunk=4)).train()
+    ids = torch.ones(1, 12, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"flash-attn aligns its causal mask top-left.*>= 2\.1"):
+        model(input_ids=ids, labels=ids)

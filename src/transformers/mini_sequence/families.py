@@ -24,7 +24,7 @@ class Family(NamedTuple):
 
 
 _LAYOUT_ATTENTION = ("sdpa", "eager", "flash_attention_2")
-_GENERIC_ATTENTION = ("sdpa", "eager")
+_GENERIC_ATTENTION = ("sdpa", "eager", "flash_attention_2")
 
 FAMILIES = {
     "llama": Family("Llama", "mlp", "layout", _LAYOUT_ATTENTION, ulysses=True),

@@ -17,6 +17,9 @@ class _ChunkCache:
     """Duck-typed `Cache`: attention modules only call `update` on it."""
 
     is_compileable = False
+    # Bool [batch] of FlashAttention rows without a query in the chunk (masks.plan_flash_chunks), or None: their
+    # values are returned as zeros, so their attention output is 0 as upstream's padded rows get.
+    silent_rows = None
 
     def __init__(self):
         self.updated = False
@@ -26,7 +29,10 @@ class _ChunkCache:
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         self.updated = True
-        return self._update(key_states, value_states)
+        keys, values = self._update(key_states, value_states)
+        if self.silent_rows is not None:
+            values = values.masked_fill(self.silent_rows[:, None, None, None], 0)
+        return keys, values
 
 
 class RecordingCache(_ChunkCache):

@@ -41,10 +41,19 @@ from ..mini_sequence._state import (
 from ..mini_sequence.config import STREAMING_FIELD_NAME, streaming_chunk_size
 from ..mini_sequence.wrappers import check_graph_inputs, refuse_create_graph
 from .cache import BackwardCache, FixedCache, RecordingCache, StopAfterKeysValues
-from .masks import chunk_mask, plan_key_ranges, sliding_window
+from .masks import (
+    FLASH_VARLEN_KWARGS,
+    chunk_mask,
+    flash_chunk_mask,
+    packed_sequence_starts,
+    plan_flash_chunks,
+    plan_key_ranges,
+    sliding_window,
+)
 
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+FLASH_ATTENTION = "flash_attention_2"
+SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH_ATTENTION)
 # Keep the forward's K/V for the backward (2 passes per token through every projection) instead of recomputing
 # them (memory of checkpointing, 3 passes through the projections before the cache). See the module docstring.
 KEEP_KEYS_VALUES = True
@@ -95,7 +104,24 @@ class StreamedCall:
                 f"{type(attn).__name__} is bidirectional here. Unset the field."
             )
         mask = arguments.pop("attention_mask", None)
-        if mask is not None:
+        self.flash = implementation == FLASH_ATTENTION
+        if self.flash:
+            from ..modeling_flash_attention_utils import flash_attn_supports_top_left_mask
+
+            if flash_attn_supports_top_left_mask():
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: the installed flash-attn aligns its causal mask top-left (before 2.1), "
+                    "which masks every query chunk after the first wrongly. Install flash-attn >= 2.1, or use "
+                    "attn_implementation='sdpa'."
+                )
+            # FlashAttention gets the [batch, key] padding mask (or none) and unpads by it, as upstream does.
+            if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (self.batch, self.seq_len)):
+                raise ValueError(
+                    f"{STREAMING_FIELD_NAME}: with {FLASH_ATTENTION} the decoder layer got an attention mask of shape "
+                    f"{getattr(mask, 'shape', None)}; streaming slices a [batch, {self.seq_len}] padding mask per chunk "
+                    "and supports no other kind (a KV cache or prefix is not supported)."
+                )
+        elif mask is not None:
             if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
                 raise ValueError(
                     f"{STREAMING_FIELD_NAME}: the decoder layer got an attention mask of type {type(mask).__name__} "
@@ -118,7 +144,17 @@ class StreamedCall:
         self.causal_bias = mask is None and self.window is None and not (attn.training and getattr(attn, "attention_dropout", 0.0))
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD_NAME), config.hidden_size)
         self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
-        self.key_ranges, self.blind = plan_key_ranges(mask, self.chunks, self.window, self.seq_len)
+        if self.flash:
+            # Packing is given to each chunk as its own cu_seq_lens (FlashAttention masks per sequence itself).
+            starts = packed_sequence_starts(mask, arguments, self.batch, self.seq_len)
+            for name in FLASH_VARLEN_KWARGS:
+                arguments.pop(name, None)
+            self.key_ranges, self.flash_kwargs, self.silent_rows = plan_flash_chunks(
+                mask, self.chunks, self.window, starts, self.device
+            )
+            self.blind = set()
+        else:
+            self.key_ranges, self.blind = plan_key_ranges(mask, self.chunks, self.window, self.seq_len)
         self.chunk_rng = None
 
     def call(self, x_chunk, index, cache):
@@ -126,9 +162,16 @@ class StreamedCall:
         start, end = self.chunks[index]
         kv_start, kv_end = self.key_ranges[index]
         kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
-        kwargs["attention_mask"] = None if self.mask is None and self.bottom_right else chunk_mask(
-            self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
-        )
+        if self.flash:
+            kwargs["attention_mask"] = flash_chunk_mask(self.mask, kv_start, kv_end, self.silent_rows[index])
+            kwargs.update(self.flash_kwargs[index])
+            cache.silent_rows = self.silent_rows[index]
+        elif self.mask is None and self.bottom_right:
+            kwargs["attention_mask"] = None
+        else:
+            kwargs["attention_mask"] = chunk_mask(
+                self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
+            )
         kwargs[self.cache_name] = cache
         try:
             out = self.forward(self.layer, x_chunk, **kwargs)

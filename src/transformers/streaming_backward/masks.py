@@ -6,6 +6,7 @@ chunk gets a causal (or sliding-window) mask aligned bottom-right, built by `mas
 the chunk's offsets: SDPA's own `is_causal` aligns top-left and would be wrong for every chunk after the first.
 """
 
+import bisect
 import weakref
 
 import torch
@@ -103,3 +104,78 @@ def chunk_mask(mask, batch, start, end, kv_start, kv_end, window, device, causal
         allow_is_causal_skip=False,
         device=device,
     )
+
+
+# FlashAttention's own packing inputs: a streamed layer gives them per chunk instead (`plan_flash_chunks`).
+FLASH_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def packed_sequence_starts(mask, kwargs, batch, seq_len):
+    """Where packed sequences start, as upstream's FlashAttention path splits the batch (modeling_flash_attention_utils
+    `_flash_attention_forward`): none with a padding mask (it unpads by the mask), else FlashAttention's own
+    cu_seq_lens when given, else the restarts of position_ids (one row, as upstream requires). None if unpacked."""
+    from ..modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
+
+    if mask is not None:
+        return None
+    if all(kwargs.get(name) is not None for name in FLASH_VARLEN_KWARGS):
+        cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+        if cu_q.shape != cu_k.shape or not bool((cu_q == cu_k).all()) or int(cu_q[-1]) != batch * seq_len:
+            raise ValueError(
+                f"{STREAMING_FIELD_NAME}: cu_seq_lens_q and cu_seq_lens_k must both split the whole {batch} x {seq_len} "
+                "tokens the same way (self-attention over packed sequences)."
+            )
+        if batch != 1:
+            raise ValueError(f"{STREAMING_FIELD_NAME}: packed sequences (cu_seq_lens) need batch size 1, got {batch}.")
+        return cu_q[:-1].tolist()
+    position_ids = kwargs.get("position_ids")
+    if _is_packed_sequence(position_ids, batch):
+        (cu_q, _), _ = prepare_fa_kwargs_from_position_ids(position_ids)
+        return cu_q[:-1].tolist()
+    return None
+
+
+def plan_flash_chunks(mask, chunks, window, sequence_starts, device):
+    """(key ranges, FlashAttention kwargs, rows without a query) per chunk, for flash_attention_2 (>= 2.1).
+
+    FlashAttention masks a chunk itself (causal aligned bottom-right, the window, per packed sequence), so a chunk
+    reads the causal prefix from the window's first key, and from the first key of the packed sequence it starts in:
+    its sequences then have consecutive key parts for cu_seq_lens_k. With a [batch, seq] padding mask the window
+    counts unpadded tokens (upstream unpads first), so a chunk reads from key 0 there. A batch row with no real
+    query in a chunk (all padding there) is named in the third list (a bool [batch] tensor, True = no query): the
+    layer gives it all-ones mask columns and zero values (`_ChunkCache`), so its attention output is 0 as upstream's
+    padded rows get, and no kernel sees an empty query segment (varlen kernels have had bugs with those:
+    Dao-AILab/flash-attention#1537, #2562)."""
+    ranges, flash_kwargs, silent_rows = [], [], []
+    for start, end in chunks:
+        kv_start = 0 if mask is not None else window_start(window, start)
+        kwargs, silent = {}, None
+        if sequence_starts is not None:
+            first = bisect.bisect_right(sequence_starts, start) - 1
+            kv_start = max(kv_start, sequence_starts[first])
+            inner = sequence_starts[first + 1 : bisect.bisect_left(sequence_starts, end)]
+            q_edges, k_edges = [start, *inner, end], [kv_start, *inner, end]
+            kwargs = {
+                "cu_seq_lens_q": torch.tensor([e - start for e in q_edges], dtype=torch.int32, device=device),
+                "cu_seq_lens_k": torch.tensor([e - kv_start for e in k_edges], dtype=torch.int32, device=device),
+                "max_length_q": max(b - a for a, b in zip(q_edges, q_edges[1:])),
+                "max_length_k": max(b - a for a, b in zip(k_edges, k_edges[1:])),
+            }
+        if mask is not None:
+            no_query = ~mask[:, start:end].bool().any(dim=-1)
+            if bool(no_query.any()):
+                silent = no_query
+        ranges.append((kv_start, end))
+        flash_kwargs.append(kwargs)
+        silent_rows.append(silent)
+    return ranges, flash_kwargs, silent_rows
+
+
+def flash_chunk_mask(mask, kv_start, kv_end, silent):
+    """Chunk's [batch, keys] padding mask for FlashAttention; rows without a query (`silent`) get all ones."""
+    if mask is None:
+        return None
+    part = mask[:, kv_start:kv_end]
+    if silent is None:
+        return part
+    return part.masked_fill(silent[:, None], 1)
