@@ -15,6 +15,7 @@ from test_mini_sequence_models import assert_close, batch, train_step
 from tiny_models import COMMON, FAMILIES, make_config, make_model
 from torch.nn.attention.bias import causal_lower_right
 from transformers.mini_sequence import LiveTensorTracker, streaming
+from transformers.streaming_backward import rows
 
 SEQ = 40
 CHUNKS = [1, 7, 64, SEQ - 1, SEQ + 5, "auto"]
@@ -212,14 +213,14 @@ def test_exact_with_row_blocks(family, implementation, block_rows, monkeypatch):
     """Row blocks of one chunk, or of two (chunk 5): the backward runs the chunk holding left-padding rows first,
     then the others from the last, and backpropagates each block's dK/dV as soon as it is final (the first
     block, whose chunk is blind, at the end). Batch 3 with left padding and ignored labels."""
-    monkeypatch.setattr(streaming, "BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(rows, "BLOCK_ROWS", block_rows)
     compare_streaming(family, 5, seed_of(family, implementation, "blocks", block_rows),
                       model_kwargs={"attn_implementation": implementation})
 
 
 @pytest.mark.parametrize("family", sorted(WINDOWED))
 def test_exact_with_row_blocks_and_sliding_window(family, monkeypatch):
-    monkeypatch.setattr(streaming, "BLOCK_ROWS", 1)
+    monkeypatch.setattr(rows, "BLOCK_ROWS", 1)
     compare_streaming(family, 4, seed_of(family, "blocks-window"),
                       model_kwargs={"attn_implementation": "eager", **WINDOWED[family](6)})
 
@@ -234,7 +235,7 @@ def test_input_gradient_grows_as_key_value_gradients_are_freed(monkeypatch):
     monkeypatch.setattr(streaming, "SLAB_KEYS", 32)  # (one slab's dK/dV small against the sequence's, as at 32K)
     peaks, grads = {}, {}
     for block_rows in (seq, 32):
-        monkeypatch.setattr(streaming, "BLOCK_ROWS", block_rows)
+        monkeypatch.setattr(rows, "BLOCK_ROWS", block_rows)
         model = make_model("llama", streaming_backward_chunk=32, mini_sequence_chunk=32, num_key_value_heads=4,
                            attn_implementation="sdpa")
         loss = model.train()(input_ids=ids, labels=ids).loss
@@ -379,13 +380,13 @@ def test_wrapper_path_with_offload_exact(family, monkeypatch):
     assert [e["pin_memory"] for e in entered] == [False] * COMMON["num_hidden_layers"]  # CPU tensors: not pinned
 
 
-@pytest.mark.parametrize("block_rows", [1, streaming.BLOCK_ROWS], ids=lambda rows: f"block_rows{rows}")
+@pytest.mark.parametrize("block_rows", [1, rows.BLOCK_ROWS], ids=lambda rows: f"block_rows{rows}")
 def test_attention_dropout_replayed(block_rows, monkeypatch):
     """With attention dropout the streamed backward must replay the forward's draws: the Function path
     (which recomputes the chunks in another order, each from its own recorded RNG state) gives the same loss and
     gradients as plain autograd through the same chunks (the wrapper path, where torch's checkpoint replays the
     RNG), and differs from the dropout-free run."""
-    monkeypatch.setattr(streaming, "BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(rows, "BLOCK_ROWS", block_rows)
     inputs = batch(31)
     runs = {}
     for name in ("function", "autograd", "no-dropout"):

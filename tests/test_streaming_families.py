@@ -10,6 +10,7 @@ import transformers
 from test_mini_sequence_models import assert_close, train_step
 from tiny_models import COMMON, FAMILIES, NEW_FAMILIES, make_model
 from transformers.streaming_backward import layer as generic
+from transformers.streaming_backward import rows
 
 
 SEQ = 24
@@ -347,6 +348,49 @@ def test_bf16_as_accurate_as_upstream(family, monkeypatch):
 
     monkeypatch.setattr(generic, "EVERY_LAYER", True)
     assert_bf16_as_accurate_as_upstream(family, streaming_backward_chunk=9)
+
+
+@pytest.mark.parametrize(("family", "implementation"), [("qwen3", "sdpa"), ("qwen3", "eager"), ("gemma3_text", "eager"),
+                                                     ("mixtral", "sdpa"), ("llama", "sdpa"), ("gemma2", "eager")])
+@pytest.mark.parametrize("block_rows", [1, 10], ids=lambda rows: f"block_rows{rows}")
+def test_exact_with_row_blocks(family, implementation, block_rows, monkeypatch):
+    """dK/dV in row blocks of one chunk, or of two (chunk 5), each freed after its first chunk's turn; the chunk
+    holding left-padding rows (it reads every key) runs first. Batch 2, left padding, ignored labels."""
+    monkeypatch.setattr(rows, "BLOCK_ROWS", block_rows)
+    compare(family, 5, padded_batch(seed_of(family, implementation, "blocks", block_rows)), monkeypatch,
+            attn_implementation=implementation)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_exact_with_row_blocks_and_sliding_window(family, monkeypatch):
+    monkeypatch.setattr(rows, "BLOCK_ROWS", 1)
+    for inputs in (padded_batch(seed_of(family, "blocks-window")), plain_batch(seed_of(family, "blocks-window"))):
+        compare(family, 4, inputs, monkeypatch, attn_implementation="sdpa", **WINDOWED[family](6))
+
+
+def test_key_value_gradients_freed_block_by_block(monkeypatch):
+    """The generic layer's backward frees each row block of dK/dV once final: with blocks of one chunk its peak is at
+    least 0.75 of a [B, S, d] tensor below the one-block run (whole dK/dV until the end), same gradients. MHA, so
+    dK and dV are [B, S, d] each; the LM head by mini-sequences, so that the layers' backward makes the peak."""
+    from transformers.mini_sequence import LiveTensorTracker
+
+    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    seq = 512
+    ids = torch.randint(1, COMMON["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(4))
+    peaks, grads = {}, {}
+    for block_rows in (seq, 32):
+        monkeypatch.setattr(rows, "BLOCK_ROWS", block_rows)
+        model = build("qwen3", streaming_backward_chunk=32, mini_sequence_chunk=32, num_key_value_heads=4,
+                      attn_implementation="sdpa")
+        loss = model.train()(input_ids=ids, labels=ids).loss
+        with LiveTensorTracker() as tracker:
+            loss.backward()
+        peaks[block_rows] = tracker.peak_bytes
+        grads[block_rows] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads[seq].items():
+        assert_close(grads[32][name], grad, what=name)
+    row_bytes = 2 * seq * COMMON["hidden_size"] * 4
+    assert peaks[seq] - peaks[32] >= 0.75 * row_bytes, (peaks, row_bytes)
 
 
 # ----------------------------------------------------------------------------- flash_attention_2 (CPU stand-in)

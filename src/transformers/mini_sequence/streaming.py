@@ -32,7 +32,7 @@ sequences (`_plan_flash_chunks`).
 
 The backward runs the chunks from the last to the first, each replaying its own forward RNG state: a row
 block's dK/dV are final once its first chunk is done, so they are backpropagated through the K/V
-projections and freed while the input gradient grows (`_RowBlocks`, `_backward_schedule`).
+projections and freed while the input gradient grows (streaming_backward/rows.py, `_backward_schedule`).
 
 When gradient checkpointing is on too, streaming replaces it for these layers (one recompute, not
 two): `modeling_layers.GradientCheckpointingLayer` asks `applies(layer)` first. Eval, generation and
@@ -70,6 +70,7 @@ from ._state import (
 from .config import STREAMING_FIELD_NAME, streaming_chunk_size
 from .wrappers import check_graph_inputs, function_parameters, refuse_create_graph
 from ..streaming_backward import layer as generic
+from ..streaming_backward import rows
 from ..streaming_backward.masks import chunk_mask, plan_key_ranges, sliding_window, window_start
 
 
@@ -96,12 +97,6 @@ BOTTOM_RIGHT_CAUSAL_ATTENTION = set()
 # S=32K 1024 keeps 2 MiB less than 2048.
 SLAB_KEYS = 1024
 SLABBED_DEVICES = ("cpu",)  # where those kernels are wired (see _CPU_FLASH)
-# Rows per block of the backward's row-wise gradients (`_RowBlocks`: dK, dV and the input gradient): chunks are
-# grouped into blocks of at least this many rows. A block's dK/dV are freed once final; smaller blocks free
-# memory sooner, larger ones keep the adds into them few. Measured (fp32, d=256, 256-token chunks, 2 threads):
-# 256 rows against 1024 hold 0.75 MiB less at S=32K (the last block is freed after the first chunk) and take the
-# same time at S=8K (6.65 s a step both).
-BLOCK_ROWS = 256
 
 def _layout(layer):
     for cls in type(layer).__mro__:  # FSDP2 subclasses the layer class
@@ -242,12 +237,8 @@ class _StreamedLayer:
         self.batch, self.seq_len = batch, seq_len
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD_NAME), config.hidden_size)
         self.chunks = [(start, min(start + chunk, seq_len)) for start in range(0, seq_len, chunk)]
-        # Consecutive chunks grouped into row blocks of at least BLOCK_ROWS rows: (first chunk, end chunk).
-        self.blocks = []
-        for index, (start, end) in enumerate(self.chunks):
-            if not self.blocks or self.chunks[self.blocks[-1][0]][0] + BLOCK_ROWS <= start:
-                self.blocks.append([index, index + 1])
-            self.blocks[-1][1] = index + 1
+        # Consecutive chunks grouped into row blocks (streaming_backward/rows.py): (first chunk, end chunk).
+        self.blocks = rows.row_blocks(self.chunks)
         # RNG state before each chunk's K/V and before its output in the forward (`record_rng`), so that the
         # backward can replay any chunk's dropout draws in its own order.
         self.kv_rng = self.chunk_rng = None
@@ -560,34 +551,8 @@ class _SlabbedAttention(torch.autograd.Function):
         return grad_queries.to(queries.dtype), None, None, None, None, None
 
 
-class _RowBlocks:
-    """A gradient over the sequence's rows (dK, dV: dim 2; the layer input's: dim 1) kept as one zero-initialised
-    tensor per row block of the layer (`_StreamedLayer.blocks`), made when first written and handed over once
-    final (`pop`): rows that are final need not stay alive next to rows still being summed."""
-
-    def __init__(self, streamed, like: torch.Tensor, dim: int, dtype: torch.dtype):
-        self.bounds = [(streamed.chunks[first][0], streamed.chunks[end - 1][1]) for first, end in streamed.blocks]
-        self.starts = [start for start, _ in self.bounds]
-        self.shape, self.device, self.dim, self.dtype = list(like.shape), like.device, dim, dtype
-        self.parts = {}
-
-    def add(self, part: torch.Tensor, start: int, end: int) -> None:
-        """Add `part` (rows [start, end) along `dim`) into the blocks it spans."""
-        block = bisect.bisect_right(self.starts, start) - 1
-        row = start
-        while row < end:
-            block_start, block_end = self.bounds[block]
-            stop = min(end, block_end)
-            total = self.parts.get(block)
-            if total is None:
-                self.shape[self.dim] = block_end - block_start
-                total = self.parts[block] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            total.narrow(self.dim, row - block_start, stop - row).add_(part.narrow(self.dim, row - start, stop - row))
-            row, block = stop, block + 1
-
-    def pop(self, block: int) -> torch.Tensor | None:
-        """Block `block`'s sum (None if nothing was added to it), no longer held here."""
-        return self.parts.pop(block, None)
+def _row_blocks(streamed, like, dim, dtype):
+    return rows.RowBlocks(streamed.chunks, streamed.blocks, like, dim, dtype)
 
 
 def _backward_schedule(streamed):
@@ -639,7 +604,7 @@ class _StreamedLayerFunction(torch.autograd.Function):
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
         acc = [None] * len(wanted)
         device = grad_out.device
-        grad_x = _RowBlocks(streamed, grad_out, dim=1, dtype=x.dtype) if needs_x else None
+        grad_x = _row_blocks(streamed, grad_out, dim=1, dtype=x.dtype) if needs_x else None
         checked_keys_values = []
 
         def keys_values_backward(block, grad_keys, grad_values):
@@ -679,8 +644,8 @@ class _StreamedLayerFunction(torch.autograd.Function):
                 keys, values = streamed.all_keys_values(x.rows)
             # dK/dV are summed over chunks: in fp32 for half-precision K/V, rounded once at the end.
             sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
-            grad_keys = _RowBlocks(streamed, keys, dim=2, dtype=sum_dtype)
-            grad_values = _RowBlocks(streamed, values, dim=2, dtype=sum_dtype)
+            grad_keys = _row_blocks(streamed, keys, dim=2, dtype=sum_dtype)
+            grad_values = _row_blocks(streamed, values, dim=2, dtype=sum_dtype)
             schedule, final_at_end = _backward_schedule(streamed)
             for step, (index, final_blocks) in enumerate(schedule):
                 start, end = streamed.chunks[index]

@@ -41,6 +41,7 @@ from ..mini_sequence._state import (
 from ..mini_sequence.config import STREAMING_FIELD_NAME, streaming_chunk_size
 from ..mini_sequence.wrappers import check_graph_inputs, refuse_create_graph
 from .cache import BackwardCache, FixedCache, RecordingCache, StopAfterKeysValues
+from .rows import RowBlocks, row_blocks
 from .masks import (
     FLASH_VARLEN_KWARGS,
     chunk_mask,
@@ -270,9 +271,13 @@ class StreamedLayerFunction(torch.autograd.Function):
                 with torch.no_grad():
                     streamed.keys_values_only(x.rows, buffers)
                 keys, values = buffers[0], buffers[1]
+            # dK/dV summed over chunks (in fp32 for half-precision K/V), one tensor per row block: a block is final,
+            # and freed, once its first chunk has had its turn below (later chunks only add to rows before them).
             sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
-            grad_keys = torch.zeros(keys.shape, dtype=sum_dtype, device=keys.device)
-            grad_values = torch.zeros(values.shape, dtype=sum_dtype, device=values.device)
+            blocks = row_blocks(streamed.chunks)
+            block_starting_at = {first: block for block, (first, _) in enumerate(blocks)}
+            grad_keys = RowBlocks(streamed.chunks, blocks, keys, dim=2, dtype=sum_dtype)
+            grad_values = RowBlocks(streamed.chunks, blocks, values, dim=2, dtype=sum_dtype)
             grad_x = None
             checked = []
 
@@ -296,15 +301,20 @@ class StreamedLayerFunction(torch.autograd.Function):
                 leaf_grads, grads = grads[: len(leaves)], grads[len(leaves) :]
                 if needs_x:
                     if grads[0] is not None:
-                        if grad_x is None:
-                            grad_x = torch.zeros(grad_out.shape[:2] + (grads[0].shape[-1],), dtype=grads[0].dtype, device=device)
-                        grad_x[:, start:end] += grads[0]
+                        if grad_x is None:  # grows block by block as dK/dV blocks are freed
+                            grad_x = RowBlocks(streamed.chunks, blocks, grad_out, dim=1, dtype=grads[0].dtype)
+                        grad_x.add(grads[0], start, end)
                     grads = grads[1:]
                 accumulate_grads(acc, grads)
                 return leaf_grads
 
             def k_v_grads(start, end, dtype):
-                return grad_keys[:, :, start:end].to(dtype), grad_values[:, :, start:end].to(dtype)
+                return grad_keys.rows(start, end, dtype), grad_values.rows(start, end, dtype)
+
+            def release_final_rows(index):
+                if index in block_starting_at:
+                    grad_keys.pop(block_starting_at[index])
+                    grad_values.pop(block_starting_at[index])
 
             # Chunks holding a blind query row: their outputs first, every key of their range a leaf.
             for index in sorted(streamed.blind):
@@ -321,7 +331,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                 )
                 for total, part in zip((grad_keys, grad_values), leaf_grads):
                     if part is not None:
-                        total[:, :, kv_start:kv_end] += part
+                        total.add(part, kv_start, kv_end)
             for index in reversed(range(len(streamed.chunks))):
                 start, end = streamed.chunks[index]
                 kv_start, kv_end = streamed.key_ranges[index]
@@ -336,6 +346,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                         lambda s=start, e=end: BackwardCache(keys, values, s, e, s, e, stop=True),
                         own_keys_values,
                     )
+                    release_final_rows(index)
                     continue
 
                 def outputs(out, cache, start=start, end=end):
@@ -347,8 +358,14 @@ class StreamedLayerFunction(torch.autograd.Function):
                 )
                 for total, part in zip((grad_keys, grad_values), leaf_grads):
                     if part is not None:
-                        total[:, :, kv_start:start] += part
-            del keys, values, grad_keys, grad_values
+                        total.add(part, kv_start, start)
+                release_final_rows(index)
+            del keys, values
+            if grad_keys.parts or grad_values.parts:  # rows added to after their chunks' turn: a lost gradient
+                raise RuntimeError(
+                    f"streaming backward: K/V gradients of row blocks {sorted(grad_keys.parts)} were never "
+                    "backpropagated; refusing to return incomplete gradients. Please report this with your setup."
+                )
 
         for total, param in zip(acc, wanted):
             if total is None:
@@ -357,6 +374,11 @@ class StreamedLayerFunction(torch.autograd.Function):
                     f"from {type(streamed.layer).__name__}'s recomputation; refusing to return a missing gradient."
                 )
         if needs_x and grad_x is not None:
+            parts = [grad_x.pop(block) for block in range(len(grad_x.bounds))]
+            if any(part is None for part in parts):  # every chunk's rows get an input gradient, if any does
+                raise RuntimeError("streaming backward: the layer input got a gradient for some rows only.")
+            grad_x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            del parts
             grad_x = grad_x.to(ctx.saved_input.dtype if ctx.saved_input is not None else grad_x.dtype)
         param_grads = iter(total.to(p.dtype) for total, p in zip(acc, wanted))
         all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[3:]]
