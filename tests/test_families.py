@@ -33,13 +33,13 @@ def test_checks_follow_the_registry(model_type):
     family = families.FAMILIES[model_type]
     applies = {field: model_type in types for field, types in support.FIELD_MODEL_TYPES.items()}
     assert applies["mini_sequence_chunk"] == (family.mini_sequence in ("mlp", "moe", "lm_head"))
-    assert applies["streaming_backward_chunk"] == (family.streaming is not None)
+    assert applies["streaming_backward_chunk"] == (family.streaming_attention != ())
     assert applies["adjoint_sharding_chunk"] == applies["adjoint_truncation"] == family.adjoint
     assert (model_type in ulysses.SUPPORTED_MODEL_TYPES) == family.ulysses
-    assert (family.streaming is None) == (family.streaming_attention == ())
 
 
 def test_model_types_filters():
-    assert families.model_types(streaming="layout") == ("llama", "qwen2", "mistral", "gemma2")
+    assert families.model_types(ulysses=True) == ("llama", "qwen2", "mistral", "gemma2")
+    assert "gpt_oss" not in families.streaming_model_types() and "qwen3_moe" in families.streaming_model_types()
     assert set(families.model_types(mini_sequence="moe")) == set(tiny_models.MOE_FAMILIES)
     assert families.model_types(adjoint=True, mini_sequence="mlp") == ()

@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 import transformers.mini_sequence.integration as integration
-from transformers.mini_sequence import streaming
+from transformers import streaming_backward as streaming
 from tiny_models import make_model
 
 from integration_helpers import chat_rows, make_tokenizer, preference_rows, prompt_completion_rows, text_rows

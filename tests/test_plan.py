@@ -336,7 +336,7 @@ def test_planner_parameters_take_the_function_path():
     planner's MLP, LM head and streamed layers must still take the chunked Function path, as the real model's do
     (the wrapper path checkpoints each chunk: more saved for backward, an overestimate of the peak)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers.mini_sequence import streaming
+    from transformers.streaming_backward.wrappers import layer_parameters
 
     planner = plan.Planner(transformers.LlamaConfig(**TINY))
     with FakeTensorMode():
@@ -344,7 +344,7 @@ def test_planner_parameters_take_the_function_path():
         layer = model.model.layers[0]
         assert [id(p) for p in wrappers.function_parameters(layer.mlp) or []] == [id(p) for p in layer.mlp.parameters()]
         assert [id(p) for p in wrappers.function_parameters(model.lm_head) or []] == [id(model.lm_head.weight)]
-        assert streaming._layer_parameters(layer) is not None
+        assert layer_parameters(layer) is not None
         # Still not plain: a fake leaf that is not a parameter, a non-leaf, a ZeRO-3 (ds_id) parameter.
         weight = layer.mlp.up_proj.weight
         assert wrappers._is_plain_parameter(weight)

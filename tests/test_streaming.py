@@ -14,8 +14,10 @@ import transformers
 from test_mini_sequence_models import assert_close, batch, train_step
 from tiny_models import COMMON, FAMILIES, make_config, make_model
 from torch.nn.attention.bias import causal_lower_right
-from transformers.mini_sequence import LiveTensorTracker, streaming
-from transformers.streaming_backward import rows
+from transformers.mini_sequence import LiveTensorTracker
+from transformers.mini_sequence.config import streaming_chunk_size
+from transformers.streaming_backward import layer as streamed_layer
+from transformers.streaming_backward import masks, offload, rows
 
 SEQ = 40
 CHUNKS = [1, 7, 64, SEQ - 1, SEQ + 5, "auto"]
@@ -69,8 +71,8 @@ def test_flag_saved_and_reloaded(family, tmp_path):
 
 
 def test_auto_chunk_policy():
-    assert streaming.streaming_chunk_size("auto", 4096) == 4096  # hidden_size query tokens
-    assert streaming.streaming_chunk_size(7, 4096) == 7
+    assert streaming_chunk_size("auto", 4096) == 4096  # hidden_size query tokens
+    assert streaming_chunk_size(7, 4096) == 7
 
 
 def test_flag_assigned_after_construction_is_checked_at_use():
@@ -103,98 +105,26 @@ def plain_causal_inputs(seed):
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("chunk", [1, 7, SEQ + 5, "auto"], ids=str)
 def test_exact_plain_causal_sdpa_with_lower_right_bias(family, chunk, monkeypatch):
-    """No attention mask (batch 2, no padding, no window): the model passes none, and each chunk goes to torch's
-    SDPA with a lower-right causal bias and GQA (4 query heads, 2 KV heads), not HF's masked, K/V-repeating path.
-    (The path off CPU: on CPU the slabbed kernels take these chunks, so they are switched off here.)"""
-    monkeypatch.setattr(streaming, "SLABBED_DEVICES", ())
+    """No attention mask (batch 2, no padding, no window): the model passes none, and each chunk's mask is torch's
+    lower-right causal bias (no [chunk, keys] mask tensor; GQA, 4 query heads and 2 KV heads)."""
     calls = []
-    monkeypatch.setattr(streaming, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
+    monkeypatch.setattr(masks, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
     compare_streaming(family, chunk, 0, inputs=plain_causal_inputs(seed_of(family, "plain", chunk)),
                       model_kwargs={"attn_implementation": "sdpa"})
-    step = streaming.streaming_chunk_size(chunk, COMMON["hidden_size"])
+    step = streaming_chunk_size(chunk, COMMON["hidden_size"])
     starts = range(0, SEQ, step)
     # Every chunk, forward and backward, in both layers: (queries, keys) = (chunk length, its causal prefix).
     expected = [(min(start + step, SEQ) - start, min(start + step, SEQ)) for start in starts]
     assert sorted(set(calls)) == sorted(set(expected)) and len(calls) == 2 * 2 * len(expected), calls
 
 
-def record_slab_calls(monkeypatch):
-    """Patch the CPU flash kernels `_SlabbedAttention` calls to record (kind, query rows, key rows, causal, mask
-    shape or None) per call."""
-    calls = []
-
-    def recorded(kind, kernel):
-        def call(*args, is_causal=False, attn_mask=None, **kwargs):
-            if kind == "backward":
-                query, key, causal = args[1], args[2], args[7]
-            else:
-                query, key, causal = args[0], args[1], is_causal
-            mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
-            calls.append((kind, query.shape[-2], key.shape[-2], causal, mask_shape))
-            if kind == "backward":
-                return kernel(*args, attn_mask=attn_mask, **kwargs)
-            return kernel(*args, is_causal=is_causal, attn_mask=attn_mask, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(streaming, "_CPU_FLASH", recorded("forward", streaming._CPU_FLASH))
-    monkeypatch.setattr(streaming, "_CPU_FLASH_BACKWARD", recorded("backward", streaming._CPU_FLASH_BACKWARD))
-    return calls
-
-
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("chunk", [1, 7, SEQ + 5, "auto"], ids=str)
-def test_exact_slabbed_plain_causal(family, chunk, monkeypatch):
-    """On CPU a plainly causal chunk runs slab by slab (3 keys per slab here, so rows merge across several
-    slabs): the keys before the chunk unmasked, its own keys as one causal square, no mask tensor at all;
-    the backward runs the same slabs, adding dK/dV into the layer's accumulators itself."""
-    monkeypatch.setattr(streaming, "SLAB_KEYS", 3)
-    calls = record_slab_calls(monkeypatch)
-    compare_streaming(family, chunk, 0, inputs=plain_causal_inputs(seed_of(family, "slabs", chunk)),
-                      model_kwargs={"attn_implementation": "sdpa"})
-    step = streaming.streaming_chunk_size(chunk, COMMON["hidden_size"])
-    expected = []
-    for start in range(0, SEQ, step):
-        end = min(start + step, SEQ)
-        expected += [(end - start, min(first + 3, start) - first, False, None) for first in range(0, start, 3)]
-        expected.append((end - start, end - start, True, None))
-    # Two layers; per layer the forward's chunks, the backward's recomputed chunks, their backward.
-    assert sorted(c[1:] for c in calls if c[0] == "forward") == sorted(expected * 4)
-    assert sorted(c[1:] for c in calls if c[0] == "backward") == sorted(expected * 2)
-
-
-@pytest.mark.parametrize(("family", "implementation"), [(f, i) for f, i in IMPLEMENTATIONS if f != "gemma2"])
-@pytest.mark.parametrize("slab_keys", [3, 16])
-def test_exact_slabbed_with_masks(family, implementation, slab_keys, monkeypatch):
-    """Masked chunks on CPU (left padding, ignored labels, batch 3), with slabs shorter than the chunk: each
-    slab gets its part of the model's mask (bool for SDPA, additive for eager); chunks holding a left-padding
-    row that sees no key take the model's own attention function. Gemma-2 (soft-capping) never uses slabs."""
-    monkeypatch.setattr(streaming, "SLAB_KEYS", slab_keys)
-    calls = record_slab_calls(monkeypatch)
-    compare_streaming(family, 9, seed_of(family, implementation, "slabs", slab_keys),
-                      model_kwargs={"attn_implementation": implementation})
-    assert calls and all(mask is not None and keys <= slab_keys for _, _, keys, _, mask in calls), calls[:5]
-    assert {kind for kind, *_ in calls} == {"forward", "backward"}
-
-
-def test_slabs_not_used_with_softcap_or_dropout(monkeypatch):
-    calls = record_slab_calls(monkeypatch)
-    for family, kwargs in (("gemma2", {}), ("llama", {"attention_dropout": 0.1})):
-        model = make_model(family, streaming_backward_chunk=7, attn_implementation="eager", **kwargs).train()
-        ids = torch.randint(1, COMMON["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(2))
-        model(input_ids=ids, labels=ids).loss.backward()
-    assert calls == []
-
-
-@pytest.mark.parametrize("slabbed", [False, True], ids=["lower-right", "slabbed"])
-def test_plain_causal_chunks_under_dispatch_modes(slabbed, monkeypatch):
+def test_plain_causal_chunks_under_dispatch_modes(monkeypatch):
     """torch cannot create its CausalBias subclass under a TorchDispatchMode: the streamed chunk must still run
-    under one (our memory tracker, as the bench uses it; FakeTensorMode); so must the slabbed CPU kernels."""
+    under one (our memory tracker, as the bench uses it; FakeTensorMode)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if not slabbed:
-        monkeypatch.setattr(streaming, "SLABBED_DEVICES", ())
-    calls = record_slab_calls(monkeypatch)
+    calls = []
+    monkeypatch.setattr(masks, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
 
     ids = torch.randint(1, COMMON["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(3))
     model = make_model("llama", streaming_backward_chunk=7, attn_implementation="sdpa").train()
@@ -204,7 +134,7 @@ def test_plain_causal_chunks_under_dispatch_modes(slabbed, monkeypatch):
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake_ids = torch.zeros(1, SEQ, dtype=torch.long)
         model(input_ids=fake_ids, labels=fake_ids).loss.backward()
-    assert bool(calls) == slabbed
+    assert calls
 
 
 @pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
@@ -232,7 +162,6 @@ def test_input_gradient_grows_as_key_value_gradients_are_freed(monkeypatch):
     the LM head by mini-sequences, so that the layers' backward, not the logits, makes the peak."""
     seq = 512
     ids = torch.randint(1, COMMON["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(4))
-    monkeypatch.setattr(streaming, "SLAB_KEYS", 32)  # (one slab's dK/dV small against the sequence's, as at 32K)
     peaks, grads = {}, {}
     for block_rows in (seq, 32):
         monkeypatch.setattr(rows, "BLOCK_ROWS", block_rows)
@@ -303,11 +232,11 @@ def test_exact_with_gradient_checkpointing_replaced(family, monkeypatch):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_wrapper_path_exact(family, monkeypatch):
     """The nested-checkpoint path that wrapped layers (ZeRO-3, FSDP) take, forced in one process."""
-    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer: None)
+    monkeypatch.setattr(streamed_layer, "layer_parameters", lambda layer: None)
     compare_streaming(family, 7, seed_of(family, "wrapped"), model_kwargs={"mini_sequence_chunk": 6})
 
 
-class RecordingHostStorage(streaming.HostStorage):
+class RecordingHostStorage(offload.HostStorage):
     """The library's host storage, recording what it saves and which rows it brings back."""
 
     def __init__(self):
@@ -334,14 +263,14 @@ def test_offloaded_input_read_back_by_chunks(family):
         model.activation_checkpointing_enable(offload=model.config.streaming_backward_chunk is not None)
         return model
 
-    with streaming.use_host_storage(storage):
+    with offload.use_host_storage(storage):
         compare_streaming(family, 7, seed_of(family, "offload"), prepare=prepare, model_kwargs={"mini_sequence_chunk": 6})
     ids = batch(seed_of(family, "offload"))[0]
     assert storage.saved == [tuple(ids.shape) + (COMMON["hidden_size"],)] * COMMON["num_hidden_layers"]
-    # Per layer: K/V pass (in order), query chunks and K/V backward (in the backward's order): each chunk read
-    # three times, never more than one chunk at once.
+    # Per layer: the backward's K/V pass (in order), then each chunk's recompute (the first chunk, whose left-padding
+    # rows see no key, twice: its output, then its own K/V): never more than one chunk at once.
     chunks = [(start, min(start + 7, ids.shape[1])) for start in range(0, ids.shape[1], 7)]
-    assert sorted(storage.loads) == sorted(chunks * 3 * COMMON["num_hidden_layers"])
+    assert sorted(storage.loads) == sorted((chunks * 2 + chunks[:1]) * COMMON["num_hidden_layers"])
     assert storage.loads[: len(chunks)] == chunks
 
 
@@ -353,7 +282,7 @@ def test_offload_follows_the_checkpointed_layers():
         model = make_model("llama", streaming_backward_chunk=7)
         if enable is not None:
             model.activation_checkpointing_enable(**enable)
-        with streaming.use_host_storage(storage):
+        with offload.use_host_storage(storage):
             train_step(model, *batch(seed_of("every_n", expected)))
         assert len(storage.saved) == expected, enable
 
@@ -369,7 +298,7 @@ def test_wrapper_path_with_offload_exact(family, monkeypatch):
         entered.append(kwargs)
         return save_on_cpu(*args, **kwargs)
 
-    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer: None)
+    monkeypatch.setattr(streamed_layer, "layer_parameters", lambda layer: None)
     monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", recording_save_on_cpu)
 
     def prepare(model):  # (the flag-off reference without offload: see above)
@@ -394,7 +323,7 @@ def test_attention_dropout_replayed(block_rows, monkeypatch):
                            attention_dropout=0.0 if name == "no-dropout" else 0.3)
         with monkeypatch.context() as patch:
             if name == "autograd":
-                patch.setattr(streaming, "_layer_parameters", lambda layer: None)
+                patch.setattr(streamed_layer, "layer_parameters", lambda layer: None)
             torch.manual_seed(5)
             runs[name] = train_step(model, *inputs)
     (out, grads, embeds), (ref, ref_grads, ref_embeds) = runs["function"], runs["autograd"]
@@ -450,7 +379,8 @@ def test_eval_and_generate_unchanged(family):
 
 
 def test_no_grad_training_mode_runs_upstream(monkeypatch):
-    monkeypatch.setattr(streaming, "decoder_layer_forward", lambda *a, **k: pytest.fail("streamed under no_grad"))
+    monkeypatch.setattr(transformers.streaming_backward, "decoder_layer_forward",
+                        lambda *a, **k: pytest.fail("streamed under no_grad"))
     model = make_model("llama", streaming_backward_chunk=3).train()
     with torch.no_grad():
         model(input_ids=torch.ones(1, 12, dtype=torch.long))
@@ -612,7 +542,7 @@ def test_exact_flash_attention_packed(family, how, flash_reference):
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_exact_flash_attention_wrapper_path(family, flash_reference, monkeypatch):
     """The nested-checkpoint path (ZeRO-3, FSDP1) with flash_attention_2, padded batch."""
-    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer: None)
+    monkeypatch.setattr(streamed_layer, "layer_parameters", lambda layer: None)
     compare_streaming(family, 7, seed_of(family, "flash-wrapped"), prepare=flash_reference,
                       model_kwargs={"mini_sequence_chunk": 6})
 
@@ -667,18 +597,10 @@ def test_output_attentions_in_training_raises():
         model(input_ids=ids, labels=ids, output_attentions=True)
 
 
-def test_hooked_attention_module_raises():
-    model = make_model("mistral", streaming_backward_chunk=4).train()
-    model.model.layers[1].self_attn.register_forward_pre_hook(lambda module, args: None)
-    ids = torch.ones(1, 12, dtype=torch.long)
-    with pytest.raises(ValueError, match="MistralAttention has hooks"):
-        model(input_ids=ids, labels=ids)
-
-
 def test_missing_gradient_raises(monkeypatch):
     """A parameter used by the layer but not handed to the Function must raise, not lose its gradient."""
-    real = streaming._layer_parameters
-    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer: real(layer)[1:])
+    real = streamed_layer.layer_parameters
+    monkeypatch.setattr(streamed_layer, "layer_parameters", lambda layer: real(layer)[1:])
     model = make_model("llama", streaming_backward_chunk=4).train()
     ids = torch.ones(1, 12, dtype=torch.long)
     with pytest.raises(RuntimeError, match="not among the parameters the chunked Function was given"):

@@ -1,6 +1,6 @@
-"""The generic streamed decoder layer (streaming_backward/: the layer's own forward per query chunk, its K/V met at
-the `Cache` seam) against the unsplit layer, on families the old hand-written layouts cannot stream and, with
-`EVERY_LAYER`, on the four families they do. fp32 tiny configs: loss and every gradient within 1e-5."""
+"""The streamed decoder layer (streaming_backward/: the layer's own forward per query chunk, its K/V met at the
+`Cache` seam) against the unsplit layer, on every streamed family (tests/test_streaming.py has more on the first
+four). fp32 tiny configs: loss and every gradient within 1e-5."""
 
 import zlib
 
@@ -50,7 +50,6 @@ def build(family, seed=0, **overrides):
 def compare(family, chunk, inputs, monkeypatch, prepare=None, step_kwargs=None, **model_kwargs):
     """Flag off vs streamed by the generic layer: same loss, every gradient, and no parameter without one.
     `prepare(model)` runs on both models (e.g. the flash_attention_2 stand-in); `step_kwargs` go to the model."""
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
     calls = []
     real = generic.StreamedLayerFunction.apply
     monkeypatch.setattr(generic.StreamedLayerFunction, "apply", lambda *args: calls.append(1) or real(*args))
@@ -151,7 +150,6 @@ def test_exact_packed_sequences(family, monkeypatch):
     labels = ids.clone()
     labels[0, torch.cumsum(torch.tensor(lengths), 0)[:-1]] = -100
     implementation = "eager" if family == "gemma2" else "sdpa"
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
     results = []
     for value in (None, 4):
         model = build(family, streaming_backward_chunk=value, attn_implementation=implementation)
@@ -184,8 +182,9 @@ def tokens_per_projection(model, inputs, monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2"])
 def test_each_projection_sees_each_token_twice(family, monkeypatch):
-    """8 chunks, no padding: forward + one recompute per token through every projection, as checkpointing."""
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
+    """KEEP_KEYS_VALUES=True, 8 chunks, no padding: forward + one recompute per token through every projection, as
+    checkpointing."""
+    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", True)
     inputs = plain_batch(seed_of(family, "count"), seq=32)
     implementation = "eager" if family == "gemma2" else "sdpa"
     counts = tokens_per_projection(build(family, streaming_backward_chunk=4, attn_implementation=implementation),
@@ -197,9 +196,13 @@ def test_each_projection_sees_each_token_twice(family, monkeypatch):
 
 
 def test_recomputed_keys_values_exact_and_counted(monkeypatch):
-    """KEEP_KEYS_VALUES=False (checkpointing's memory): exact; the projections before the cache see 3 passes."""
-    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", False)
+    """KEEP_KEYS_VALUES=False (the default: checkpointing's memory): the projections before the cache see 3 passes;
+    exact with either setting."""
+    assert generic.KEEP_KEYS_VALUES is False
     compare("qwen3", 5, padded_batch(seed_of("recompute")), monkeypatch, attn_implementation="sdpa")
+    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", True)
+    compare("qwen3", 5, padded_batch(seed_of("keep")), monkeypatch, attn_implementation="sdpa")
+    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", False)
     counts = tokens_per_projection(build("qwen3", streaming_backward_chunk=4), plain_batch(3, seq=32), monkeypatch)
     assert counts == {"self_attn.q_proj": 3.0, "self_attn.k_proj": 3.0, "self_attn.v_proj": 3.0,
                       "self_attn.o_proj": 2.0, "mlp.gate_proj": 2.0, "mlp.up_proj": 2.0, "mlp.down_proj": 2.0}
@@ -208,11 +211,8 @@ def test_recomputed_keys_values_exact_and_counted(monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_wrapper_fallback_exact(family, monkeypatch):
     """The autograd path that wrapped layers (ZeRO-3, FSDP1) take, forced in one process."""
-    from transformers.mini_sequence import streaming
-
-    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer, **kwargs: None)
+    monkeypatch.setattr(generic, "layer_parameters", lambda layer: None)
     monkeypatch.setattr(generic.StreamedLayerFunction, "apply", None)  # must not run
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
     inputs = padded_batch(seed_of(family, "wrapped"))
     results = [train_step(build(family, streaming_backward_chunk=value), *inputs) for value in (None, 7)]
     (ref, ref_grads, _), (out, grads, _) = results
@@ -224,24 +224,23 @@ def test_wrapper_fallback_exact(family, monkeypatch):
 
 def test_offloaded_input_exact(monkeypatch):
     """activation_checkpointing_enable(offload=True): the streamed layer keeps its input in host memory."""
-    from transformers.mini_sequence import streaming
+    from transformers.streaming_backward import offload
 
     saved = []
 
-    class Recording(streaming.HostStorage):
+    class Recording(offload.HostStorage):
         def save(self, x):
             saved.append(tuple(x.shape))
             return super().save(x)
 
-    with streaming.use_host_storage(Recording()):
+    with offload.use_host_storage(Recording()):
         compare("qwen3", 7, padded_batch(seed_of("offload")), monkeypatch, attn_implementation="sdpa")
     # compare() builds the model itself: enable offload on a fresh one and compare again.
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
     inputs = padded_batch(seed_of("offload"))
     ref = train_step(build("qwen3"), *inputs)
     model = build("qwen3", streaming_backward_chunk=7)
     model.activation_checkpointing_enable(offload=True)
-    with streaming.use_host_storage(Recording()):
+    with offload.use_host_storage(Recording()):
         out = train_step(model, *inputs)
     assert saved == [(2, SEQ, COMMON["hidden_size"])] * 2
     assert_close(out[0].loss, ref[0].loss, what="loss")
@@ -251,15 +250,12 @@ def test_offloaded_input_exact(monkeypatch):
 
 def test_attention_dropout_replayed(monkeypatch):
     """Dropout draws replayed per chunk: the Function path equals plain autograd through the same chunks."""
-    from transformers.mini_sequence import streaming
-
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
     inputs = padded_batch(31)
     runs = {}
     for name in ("function", "autograd", "no-dropout"):
         with monkeypatch.context() as patch:
             if name == "autograd":
-                patch.setattr(streaming, "_layer_parameters", lambda layer, **kwargs: None)
+                patch.setattr(generic, "layer_parameters", lambda layer: None)
             dropout = 0.0 if name == "no-dropout" else 0.3
             model = build("qwen3", streaming_backward_chunk=7, attention_dropout=dropout)
             torch.manual_seed(5)
@@ -276,7 +272,6 @@ def test_attention_dropout_replayed(monkeypatch):
 
 def test_layer_without_cache_seam_refused(monkeypatch):
     """A layer whose attention never calls `cache.update` (linear attention...) is refused, naming its class."""
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
     model = build("qwen3", streaming_backward_chunk=7)
     attn_class = type(model.model.layers[0].self_attn)
     real = attn_class.forward
@@ -324,10 +319,10 @@ def test_hooked_attention_takes_the_autograd_fallback(monkeypatch):
 def test_plain_causal_sdpa_uses_the_lower_right_bias(family, monkeypatch):
     """No mask: each chunk, forward and recompute, gets torch's lower-right causal bias (chunk, its causal prefix)."""
     from torch.nn.attention.bias import causal_lower_right
-    from transformers.mini_sequence import streaming
+    from transformers.streaming_backward import masks
 
     calls = []
-    monkeypatch.setattr(streaming, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
+    monkeypatch.setattr(masks, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
     compare(family, 7, plain_batch(seed_of(family, "bias")), monkeypatch, attn_implementation="sdpa")
     expected = [(min(start + 7, SEQ) - start, min(start + 7, SEQ)) for start in range(0, SEQ, 7)]
     assert sorted(calls) == sorted(expected * 2 * COMMON["num_hidden_layers"])
@@ -346,7 +341,6 @@ def test_bf16_as_accurate_as_upstream(family, monkeypatch):
     """bf16 through the generic layer (dK/dV and parameter gradients summed in fp32) is as accurate as upstream bf16."""
     from test_streaming import assert_bf16_as_accurate_as_upstream
 
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
     assert_bf16_as_accurate_as_upstream(family, streaming_backward_chunk=9)
 
 
@@ -374,7 +368,6 @@ def test_key_value_gradients_freed_block_by_block(monkeypatch):
     dK and dV are [B, S, d] each; the LM head by mini-sequences, so that the layers' backward makes the peak."""
     from transformers.mini_sequence import LiveTensorTracker
 
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
     seq = 512
     ids = torch.randint(1, COMMON["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(4))
     peaks, grads = {}, {}
@@ -465,11 +458,8 @@ def test_exact_flash_attention_packed(family, how, flash_reference, monkeypatch)
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_exact_flash_attention_wrapper_path(family, flash_reference, monkeypatch):
     """The autograd fallback (ZeRO-3, FSDP1) with flash_attention_2, padded batch."""
-    from transformers.mini_sequence import streaming
-
-    monkeypatch.setattr(streaming, "_layer_parameters", lambda layer, **kwargs: None)
+    monkeypatch.setattr(generic, "layer_parameters", lambda layer: None)
     monkeypatch.setattr(generic.StreamedLayerFunction, "apply", None)  # must not run
-    monkeypatch.setattr(generic, "EVERY_LAYER", True)
     inputs = flash_padded_batch(seed_of(family, "flash-wrapped"))
     results = []
     for value in (None, 7):

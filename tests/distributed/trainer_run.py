@@ -23,7 +23,8 @@ import torch  # noqa: E402
 import transformers.modeling_utils  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
-from transformers.mini_sequence import streaming  # noqa: E402
+from transformers import streaming_backward as streaming  # noqa: E402
+from transformers.streaming_backward import layer as streamed_layer  # noqa: E402
 
 SEQ = 48
 # Per family, on top of tests/tiny_models.py: Llama with tied embeddings; Mistral with a sliding
@@ -109,7 +110,7 @@ def count_recomputation():
     and calls of the checkpoint function that gradient checkpointing uses (transformers.modeling_utils
     binds `checkpoint` when checkpointing is enabled, so this must run before). Class and module
     attributes, no module hooks: a hook would change which path the layer takes."""
-    layer_forward, chunk_output = streaming.decoder_layer_forward, streaming._StreamedLayer.chunk_output
+    layer_forward, chunk_output = streaming.decoder_layer_forward, streamed_layer.StreamedCall.call
     checkpoint = transformers.modeling_utils.checkpoint
 
     def counted(key, function):
@@ -120,7 +121,7 @@ def count_recomputation():
         return wrapper
 
     streaming.decoder_layer_forward = counted("layer_calls", layer_forward)
-    streaming._StreamedLayer.chunk_output = counted("chunk_calls", chunk_output)
+    streamed_layer.StreamedCall.call = counted("chunk_calls", chunk_output)
     transformers.modeling_utils.checkpoint = counted("checkpoint_calls", checkpoint)
 
 

@@ -14,30 +14,28 @@ class Family(NamedTuple):
     # token chunks), "lm_head" (LM head + loss only: state-space models), "text_config" (a composite whose text
     # config carries the field), or None.
     mini_sequence: str | None
-    # How streaming_backward_chunk streams its decoder layers: "layout" (mini_sequence/streaming.py), "generic"
-    # (streaming_backward/: the layer's own forward per query chunk), or None.
-    streaming: str | None = None
-    streaming_attention: tuple = ()  # attention implementations streaming is tested with
-    no_streaming: str = "ignored"  # the README's word where streaming is None
+    # Attention implementations streaming_backward_chunk streams this family's decoder layers with (tested: the
+    # layer's own forward per query chunk, streaming_backward/); () where the field is not supported.
+    streaming_attention: tuple = ()
+    no_streaming: str = "ignored"  # the README's word where streaming_attention is ()
     ulysses: bool = False  # Ulysses rebuilds this family's whole-sequence masks exactly
     adjoint: bool = False  # adjoint_sharding_chunk / adjoint_truncation
 
 
-_LAYOUT_ATTENTION = ("sdpa", "eager", "flash_attention_2")
-_GENERIC_ATTENTION = ("sdpa", "eager", "flash_attention_2")
+_ATTENTION = ("sdpa", "eager", "flash_attention_2")
 
 FAMILIES = {
-    "llama": Family("Llama", "mlp", "layout", _LAYOUT_ATTENTION, ulysses=True),
-    "qwen2": Family("Qwen2", "mlp", "layout", _LAYOUT_ATTENTION, ulysses=True),
-    "mistral": Family("Mistral", "mlp", "layout", _LAYOUT_ATTENTION, ulysses=True),
+    "llama": Family("Llama", "mlp", _ATTENTION, ulysses=True),
+    "qwen2": Family("Qwen2", "mlp", _ATTENTION, ulysses=True),
+    "mistral": Family("Mistral", "mlp", _ATTENTION, ulysses=True),
     # Gemma-2's softcapped attention has no SDPA path upstream.
-    "gemma2": Family("Gemma-2", "mlp", "layout", ("eager", "flash_attention_2"), ulysses=True),
-    "qwen3": Family("Qwen3", "mlp", "generic", _GENERIC_ATTENTION),
-    "phi3": Family("Phi-3", "mlp", "generic", _GENERIC_ATTENTION),
-    "olmo2": Family("OLMo-2", "mlp", "generic", _GENERIC_ATTENTION),
-    "gemma3_text": Family("Gemma-3 text", "mlp", "generic", _GENERIC_ATTENTION),
-    "mixtral": Family("Mixtral", "moe", "generic", _GENERIC_ATTENTION),
-    "qwen3_moe": Family("Qwen3-MoE", "moe", "generic", _GENERIC_ATTENTION),
+    "gemma2": Family("Gemma-2", "mlp", ("eager", "flash_attention_2"), ulysses=True),
+    "qwen3": Family("Qwen3", "mlp", _ATTENTION),
+    "phi3": Family("Phi-3", "mlp", _ATTENTION),
+    "olmo2": Family("OLMo-2", "mlp", _ATTENTION),
+    "gemma3_text": Family("Gemma-3 text", "mlp", _ATTENTION),
+    "mixtral": Family("Mixtral", "moe", _ATTENTION),
+    "qwen3_moe": Family("Qwen3-MoE", "moe", _ATTENTION),
     "gpt_oss": Family("GPT-OSS", "moe", no_streaming="ignored (not tried)"),
     "gemma3": Family("Gemma-3 multimodal", "text_config", no_streaming="not tried"),
     "mamba": Family("Mamba", "lm_head", adjoint=True),
@@ -45,9 +43,14 @@ FAMILIES = {
 }
 
 
+def streaming_model_types() -> tuple:
+    """The model types streaming_backward_chunk streams."""
+    return tuple(t for t, family in FAMILIES.items() if family.streaming_attention)
+
+
 def model_types(**wanted) -> tuple:
-    """The model types whose entry has every given value, e.g. `model_types(streaming="generic")`; a tuple value
-    means any of its members (`model_types(mini_sequence=("mlp", "moe"))`)."""
+    """The model types whose entry has every given value, e.g. `model_types(ulysses=True)`; a tuple value means any
+    of its members (`model_types(mini_sequence=("mlp", "moe"))`)."""
 
     def matches(family, key, value):
         return getattr(family, key) in value if isinstance(value, tuple) else getattr(family, key) == value
@@ -65,11 +68,7 @@ _MINI_SEQUENCE_CELLS = {
 
 
 def _cells(family: Family) -> tuple:
-    if family.streaming is None:
-        streaming = family.no_streaming
-    else:
-        kind = " (generic layer)" if family.streaming == "generic" else ""
-        streaming = f"yes{kind}: {', '.join(family.streaming_attention)}"
+    streaming = f"yes: {', '.join(family.streaming_attention)}" if family.streaming_attention else family.no_streaming
     return _MINI_SEQUENCE_CELLS[family.mini_sequence], streaming, "yes" if family.adjoint else "ignored"
 
 

@@ -69,10 +69,12 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from . import streaming
+from ..streaming_backward import layer as streamed_layer
+from ..streaming_backward import masks as streamed_masks
+from ..streaming_backward import offload as streamed_offload
 from .config import validate_streaming_backward_chunk
 from .memory import LiveTensorTracker
-from .families import model_types
+from .families import streaming_model_types
 from .support import MINI_SEQUENCE_MODEL_TYPES, TEXT_CONFIG_LM_HEAD_MODEL_TYPES
 
 
@@ -165,7 +167,7 @@ Multi-GPU (--gpus/--zero/--sp/--offload), per GPU (rank); every figure is an est
   each decoder layer's checkpointed (streamed: saved) input [S/sp, d] goes to host memory in forward.
   Checkpointed layers: in backward one is on the GPU in use (whole, for the layer's whole backward)
   and one more in flight (prefetch). Streamed layers bring theirs back one query chunk at a time, as
-  the library does (streaming.HostStorage: the planner counts its host copies, the chunks it loads
+  the library does (streaming_backward/offload.py HostStorage: the planner counts its host copies, the chunks it loads
   are allocated on the GPU); streaming is planned with sp=1 only, and not with ZeRO-3 + --offload inputs;
 - left out as well: DeepSpeed's communication buckets (reduce_bucket_size, stage3 prefetch and
   max-live-parameters buffers: set them small), NCCL buffers, parameter prefetching beyond one
@@ -205,7 +207,7 @@ def _flash_like_attention(module, query, key, value, attention_mask, **kwargs):
 AttentionInterface.register(ATTENTION, _flash_like_attention)
 AttentionMaskInterface.register(ATTENTION, flash_attention_mask)  # no mask tensor without padding
 # Streamed layers call it per query chunk with mask=None, as FlashAttention (bottom-right causal) is called.
-streaming.BOTTOM_RIGHT_CAUSAL_ATTENTION.add(ATTENTION)
+streamed_masks.BOTTOM_RIGHT_CAUSAL_ATTENTION.add(ATTENTION)
 
 
 def _send_buffer(tensor):
@@ -322,7 +324,7 @@ def _plannable(method: str, parallel: Parallel) -> bool:
 
 # Model types with a streaming_backward_chunk path (families.py); on any other the field is ignored, so a
 # streamed plan would silently be a plain one: the planner refuses those methods for that family instead.
-STREAMING_MODEL_TYPES = model_types(streaming=("layout", "generic"))
+STREAMING_MODEL_TYPES = streaming_model_types()
 
 
 def family_refusal(method: str, model_type: str):
@@ -378,7 +380,7 @@ class _StepHooks:
             return _GatherInBackward.apply(output, self, module)
         return output
 
-    # --offload inputs for streamed layers: stand-in for the library's streaming.HostStorage. The input's
+    # --offload inputs for streamed layers: stand-in for the library's streaming_backward/offload.py HostStorage. The input's
     # host copy holds no bytes here (counted as host memory until the layer's backward is done with it);
     # each chunk the backward reads back is allocated on the GPU.
     def save(self, x):
@@ -543,7 +545,7 @@ class Planner:
         if method.streaming_backward_chunk is not None and "inputs" in self.parallel.offload:
             # What a user does: checkpointing with offload, which streaming replaces and honours (HostStorage).
             model.activation_checkpointing_enable(offload=True)
-            if not any(streaming.applies(m) and streaming._offload_requested(m) for m in model.modules()):
+            if not any(streamed_layer.applies(m) and streamed_offload.offload_requested(m) for m in model.modules()):
                 raise PlanError(f"{type(model).__name__}: no streamed decoder layers found for --offload inputs")
         elif checkpointing and "inputs" in self.parallel.offload:
             layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
@@ -564,7 +566,7 @@ class Planner:
         with FakeTensorMode() if fake else contextlib.nullcontext():
             model, hooks = self._build(METHODS[method])
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
-            with LiveTensorTracker(keep_largest=0) as tracker, streaming.use_host_storage(hooks):
+            with LiveTensorTracker(keep_largest=0) as tracker, streamed_offload.use_host_storage(hooks):
                 model(input_ids=ids, labels=ids).loss.backward()
         self._host[(method, seq_len)] = hooks.host_peak_bytes
         return tracker.peak_bytes

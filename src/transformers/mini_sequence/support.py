@@ -9,28 +9,25 @@ import inspect
 from ..adjoint_sharding.config import CHUNK_FIELD_NAME, TRUNCATION_FIELD_NAME, validate_adjoint_sharding
 from ..utils import logging
 from .config import FIELD_NAME, STREAMING_FIELD_NAME, validate_mini_sequence_chunk, validate_streaming_backward_chunk
-from .families import model_types
+from .families import model_types, streaming_model_types
 
 
 logger = logging.get_logger(__name__)
 
 # Views of the registry (families.py) by what each check needs.
-# The four families with every path (hand-written streamed layouts, Ulysses, the planner's original set).
-SUPPORTED_MODEL_TYPES = model_types(streaming="layout")
 # mini_sequence_chunk's MLP or MoE block, final norm, LM head + loss (patches 0002-0004, 0012).
 MINI_SEQUENCE_MODEL_TYPES = model_types(mini_sequence=("mlp", "moe"))
 # Composite models whose own LM head + loss is chunked when their text config sets mini_sequence_chunk.
 TEXT_CONFIG_LM_HEAD_MODEL_TYPES = model_types(mini_sequence="text_config")
-# streaming_backward_chunk through the generic streamed layer (streaming_backward/layer.py: the layer's own
-# forward per query chunk), tested in tests/test_streaming_families.py.
-GENERIC_STREAMING_MODEL_TYPES = model_types(streaming="generic")
+# streaming_backward_chunk: the layer's own forward per query chunk (streaming_backward/layer.py).
+STREAMING_MODEL_TYPES = streaming_model_types()
 # State-space models: adjoint sharding; they have no MLP, so mini_sequence_chunk chunks their LM head + loss.
 ADJOINT_MODEL_TYPES = model_types(adjoint=True)
 # Each field of ours -> the model types that have its path. Set on any other model type, a field is validated,
 # saved with the config and ignored, with a warning.
 FIELD_MODEL_TYPES = {
     FIELD_NAME: model_types(mini_sequence=("mlp", "moe", "lm_head")),
-    STREAMING_FIELD_NAME: model_types(streaming=("layout", "generic")),
+    STREAMING_FIELD_NAME: STREAMING_MODEL_TYPES,
     CHUNK_FIELD_NAME: ADJOINT_MODEL_TYPES,
     TRUNCATION_FIELD_NAME: ADJOINT_MODEL_TYPES,
 }

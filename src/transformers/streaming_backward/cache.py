@@ -20,6 +20,7 @@ class _ChunkCache:
     # Bool [batch] of FlashAttention rows without a query in the chunk (masks.plan_flash_chunks), or None: their
     # values are returned as zeros, so their attention output is 0 as upstream's padded rows get.
     silent_rows = None
+    stop = False  # raises StopAfterKeysValues once it has the chunk's K/V: the attention never runs
 
     def __init__(self):
         self.updated = False
@@ -60,42 +61,25 @@ class RecordingCache(_ChunkCache):
 
 
 class BackwardCache(_ChunkCache):
-    """Backward recomputation of chunk [start, end): records the chunk's K/V (with graph) and returns them
-    concatenated with the other keys of its range as detached leaves (`self.leaves`: their gradients are the
-    dK/dV this chunk adds to earlier tokens). `own_as_leaf=True` returns the chunk's own rows as leaves too (a
-    blind chunk's output pass: its own K/V are backpropagated later). `stop=True` raises after recording."""
+    """Backward recomputation of chunk [start, end): records the chunk's K/V (with graph: `keys`, `values`) and
+    returns the K/V buffers' rows [kv_start, kv_end) as detached leaves (`leaves`; views, no copy). The leaves'
+    gradients are the dK/dV this chunk's queries add to every key they read, its own rows included; those go back
+    through the recorded K/V once final. `stop=True` raises after recording (a chunk's own K/V pass)."""
 
-    def __init__(self, all_keys, all_values, start, end, kv_start, kv_end, own_as_leaf=False, stop=False):
+    def __init__(self, all_keys, all_values, start, end, kv_start, kv_end, stop=False):
         super().__init__()
         self.keys = self.values = None
         self.stop = stop
-        if own_as_leaf:
-            self.leaves = [all_keys[:, :, kv_start:kv_end].detach().requires_grad_(),
-                           all_values[:, :, kv_start:kv_end].detach().requires_grad_()]
-            self.parts = None
-        else:
-            self.parts = (kv_start, start, end, kv_end)
-            before = (all_keys[:, :, kv_start:start], all_values[:, :, kv_start:start])
-            after = (all_keys[:, :, end:kv_end], all_values[:, :, end:kv_end])
-            self.before = [t.detach().requires_grad_() for t in before] if start > kv_start else None
-            self.after = [t.detach().requires_grad_() for t in after] if kv_end > end else None
+        self.leaves = None if stop else [
+            all_keys[:, :, kv_start:kv_end].detach().requires_grad_(),
+            all_values[:, :, kv_start:kv_end].detach().requires_grad_(),
+        ]
 
     def _update(self, keys, values):
         self.keys, self.values = keys, values
         if self.stop:
             raise StopAfterKeysValues
-        if self.parts is None:
-            return self.leaves[0], self.leaves[1]
-        out_k, out_v = [keys], [values]
-        if self.before is not None:
-            out_k.insert(0, self.before[0])
-            out_v.insert(0, self.before[1])
-        if self.after is not None:
-            out_k.append(self.after[0])
-            out_v.append(self.after[1])
-        if len(out_k) == 1:
-            return keys, values
-        return torch.cat(out_k, dim=2), torch.cat(out_v, dim=2)
+        return self.leaves[0], self.leaves[1]
 
 
 class FixedCache(_ChunkCache):

@@ -11,11 +11,12 @@ repeat_kv) into full-sequence buffers and returns K/V[kv_start:end]. The layer i
 checkpointing saves it) and, with `KEEP_KEYS_VALUES` (default), the forward's K/V too.
 
 Backward (one autograd Function), chunks from the last to the first. Chunk i is recomputed once, with graph, with
-a cache that returns cat(K[kv_start:start] as detached leaves, k_i); then ONE `autograd.grad` over
-[out_i, k_i, v_i] with [dOut_i, dK[start:end], dV[start:end]]: the rows' dK/dV summed from later chunks flow
-back through the layer's own K/V projections, norms and RoPE in the same backward, and the leaves' gradients
-are added into dK/dV[kv_start:start]. Every projection thus sees each token twice per step (forward and one
-recompute), as under checkpointing, and chunk i reads only keys before its end.
+a cache that returns the buffers' K/V[kv_start:end] as detached leaves (views: no copy) and records the K/V k_i,
+v_i the layer computed for the chunk's own rows. A first `autograd.grad` of out_i (graph kept) gives the leaves'
+gradients, added into dK/dV (row blocks, rows.py); the chunk's own rows are then final (earlier chunks only read
+keys before their own start), and a second `autograd.grad` sends dK/dV[start:end] back through k_i, v_i: the
+layer's own K/V projections, norms and RoPE. Every projection thus sees each token twice per step (forward and
+one recompute), as under checkpointing, and chunk i reads only keys before its end.
 
 A chunk holding a query row that sees no key (a left-padding position) reads the whole sequence, as the unsplit
 layer does (masks.plan_key_ranges): in the forward it first only records its K/V (the layer stops at the cache,
@@ -39,10 +40,14 @@ from ..mini_sequence._state import (
     restore_rng_state,
 )
 from ..mini_sequence.config import STREAMING_FIELD_NAME, streaming_chunk_size
+from ..mini_sequence.families import streaming_model_types
 from ..mini_sequence.wrappers import check_graph_inputs, refuse_create_graph
 from .cache import BackwardCache, FixedCache, RecordingCache, StopAfterKeysValues
+from .offload import SavedInput, offload_requested
 from .rows import RowBlocks, row_blocks
+from .wrappers import layer_parameters
 from .masks import (
+    BOTTOM_RIGHT_CAUSAL_ATTENTION,
     FLASH_VARLEN_KWARGS,
     chunk_mask,
     flash_chunk_mask,
@@ -55,19 +60,24 @@ from .masks import (
 
 FLASH_ATTENTION = "flash_attention_2"
 SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH_ATTENTION)
-# Keep the forward's K/V for the backward (2 passes per token through every projection) instead of recomputing
-# them (memory of checkpointing, 3 passes through the projections before the cache). See the module docstring.
-KEEP_KEYS_VALUES = True
-# Route the layouts mini_sequence/streaming.py still spells out (Llama-like, Gemma-2) through this path too.
-EVERY_LAYER = False
+# Keep the forward's K/V of every layer until its backward (2 passes per token through every projection) instead
+# of recomputing them there (checkpointing's memory; 3 passes through the projections before the cache). Off:
+# kept K/V cost 2 * kv_heads * head_dim values per token per layer over the whole step (half of a layer input's
+# size with 4 query heads per K/V head, as much with MHA), and memory is what streaming is for; the third pass
+# through q/k/v costs about 3% of a Llama-3-8B step's matmul FLOPs.
+KEEP_KEYS_VALUES = False
+STREAMING_MODEL_TYPES = streaming_model_types()
 
 
-def streams(layer) -> bool:
-    """Whether this path streams `layer` (its model type was tested with it: mini_sequence/families.py)."""
-    from ..mini_sequence.families import model_types
-
+def applies(layer) -> bool:
+    """Whether `layer`'s forward should stream (GradientCheckpointingLayer asks, patch 0008): the field is set, the
+    layer trains with grad enabled, and its model type is one the registry streams (mini_sequence/families.py).
+    A layer of another family (the field set on it by `from_pretrained` or a config.json) is not streamed: the
+    model warned at construction that the field is ignored (mini_sequence/support.py)."""
     config = getattr(getattr(layer, "self_attn", None), "config", None)
-    return getattr(config, "model_type", None) in model_types(streaming="generic")
+    if getattr(config, STREAMING_FIELD_NAME, None) is None or not (layer.training and torch.is_grad_enabled()):
+        return False
+    return getattr(config, "model_type", None) in STREAMING_MODEL_TYPES
 
 
 def _slice_rows(value, start, end, seq_len):
@@ -90,8 +100,6 @@ class StreamedCall:
         self.batch, self.seq_len = hidden_states.shape[:2]
         implementation = config._attn_implementation
         # The planner's FlashAttention-like stand-in masks an offset chunk bottom-right itself (mini_sequence/plan.py).
-        from ..mini_sequence.streaming import BOTTOM_RIGHT_CAUSAL_ATTENTION
-
         self.bottom_right = implementation in BOTTOM_RIGHT_CAUSAL_ATTENTION
         if implementation not in SUPPORTED_ATTENTION and not self.bottom_right:
             raise ValueError(
@@ -163,7 +171,9 @@ class StreamedCall:
         start, end = self.chunks[index]
         kv_start, kv_end = self.key_ranges[index]
         kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
-        if self.flash:
+        if cache.stop:  # the layer stops at the cache: no mask needed
+            kwargs["attention_mask"] = None
+        elif self.flash:
             kwargs["attention_mask"] = flash_chunk_mask(self.mask, kv_start, kv_end, self.silent_rows[index])
             kwargs.update(self.flash_kwargs[index])
             cache.silent_rows = self.silent_rows[index]
@@ -223,12 +233,14 @@ class StreamedCall:
         return out, buffers[0], buffers[1]
 
 
-class _SavedRows:
-    def __init__(self, saved, offloaded):
-        self.saved, self.offloaded = saved, offloaded
+class _KeptInput:
+    """The layer input kept on its device (as checkpointing keeps it), read like offload.SavedInput."""
+
+    def __init__(self, x):
+        self.saved = x
 
     def rows(self, start, end):
-        return self.saved.rows(start, end) if self.offloaded else self.saved[:, start:end]
+        return self.saved[:, start:end]
 
 
 class StreamedLayerFunction(torch.autograd.Function):
@@ -237,12 +249,10 @@ class StreamedLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, streamed, offload, *params):
-        from ..mini_sequence.streaming import _SavedInput
-
         ctx.autocast_state = capture_autocast_state(x.device.type)
         ctx.streamed, ctx.params = streamed, params
         if offload:
-            ctx.saved_input = _SavedInput(x, offload=True)
+            ctx.saved_input = SavedInput(x)
         else:
             ctx.save_for_backward(x)
             ctx.saved_input = None
@@ -253,10 +263,7 @@ class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         refuse_create_graph("streaming backward", STREAMING_FIELD_NAME)
-        if ctx.saved_input is not None:
-            x = _SavedRows(ctx.saved_input, True)
-        else:
-            x = _SavedRows(ctx.saved_tensors[0], False)
+        x = ctx.saved_input if ctx.saved_input is not None else _KeptInput(ctx.saved_tensors[0])
         streamed, params = ctx.streamed, ctx.params
         needs_x = ctx.needs_input_grad[0]
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
@@ -281,24 +288,9 @@ class StreamedLayerFunction(torch.autograd.Function):
             grad_x = None
             checked = []
 
-            def chunk_backward(index, make_cache, outputs_of):
-                """Recompute chunk `index` with graph (its cache from `make_cache`), backpropagate `outputs_of(out,
-                cache)` -> (outputs, their gradients); add the leaves' gradients into dK/dV."""
+            def add_input_grads(grads, start, end):
+                """Add (input gradient of rows [start, end) if needs_x, *parameter gradients)."""
                 nonlocal grad_x
-                start, end = streamed.chunks[index]
-                with restore_rng_state(streamed.chunk_rng[index], device), torch.enable_grad():
-                    x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
-                    cache = make_cache()
-                    out = streamed.call(x_chunk, index, cache)
-                    outputs, grads_out, leaves = outputs_of(out, cache)
-                    if not checked and out is not None:
-                        for tensor in outputs:
-                            check_graph_inputs(tensor, [x_chunk, *leaves, *params], "streaming backward")
-                        checked.append(True)
-                    inputs = [*leaves, *([x_chunk] if needs_x else []), *wanted]
-                    grads = torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True)
-                    del out, outputs, cache
-                leaf_grads, grads = grads[: len(leaves)], grads[len(leaves) :]
                 if needs_x:
                     if grads[0] is not None:
                         if grad_x is None:  # grows block by block as dK/dV blocks are freed
@@ -306,59 +298,64 @@ class StreamedLayerFunction(torch.autograd.Function):
                         grad_x.add(grads[0], start, end)
                     grads = grads[1:]
                 accumulate_grads(acc, grads)
-                return leaf_grads
 
-            def k_v_grads(start, end, dtype):
-                return grad_keys.rows(start, end, dtype), grad_values.rows(start, end, dtype)
+            def chunk_backward(index, cache, outputs=True, own_keys_values=True):
+                """Recompute chunk `index` with graph, its attention reading every key of its range as detached leaves
+                from the K/V buffers (`cache`). `outputs`: backpropagate dOut of its rows and add the leaves' gradients
+                into dK/dV; `own_keys_values`: then backpropagate the (now final) dK/dV of its own rows through the
+                K/V the layer computed for them (the same graph: its own projections, norms and RoPE)."""
+                start, end = streamed.chunks[index]
+                kv_start, kv_end = streamed.key_ranges[index]
+                with restore_rng_state(streamed.chunk_rng[index], device), torch.enable_grad():
+                    x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
+                    out = streamed.call(x_chunk, index, cache)
+                    inputs = [*([x_chunk] if needs_x else []), *wanted]
+                    if not checked:
+                        tensors = ([out] if outputs else []) + [cache.keys, cache.values]
+                        for tensor in tensors:
+                            check_graph_inputs(tensor, [x_chunk, *(cache.leaves or []), *params], "streaming backward")
+                        checked.append(True)
+                    if outputs:
+                        grads = torch.autograd.grad(
+                            out, [*cache.leaves, *inputs], grad_out[:, start:end], allow_unused=True,
+                            retain_graph=own_keys_values,
+                        )
+                        del out
+                        for total, part in zip((grad_keys, grad_values), grads[:2]):
+                            if part is not None:
+                                total.add(part, kv_start, kv_end)
+                        add_input_grads(grads[2:], start, end)
+                        del grads
+                    if own_keys_values:
+                        pairs = [(tensor, total.rows(start, end, tensor.dtype))
+                                 for tensor, total in ((cache.keys, grad_keys), (cache.values, grad_values))
+                                 if tensor.requires_grad]
+                        if pairs and inputs:
+                            grads = torch.autograd.grad(
+                                [t for t, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
+                            )
+                            add_input_grads(grads, start, end)
+                    del cache
 
             def release_final_rows(index):
                 if index in block_starting_at:
                     grad_keys.pop(block_starting_at[index])
                     grad_values.pop(block_starting_at[index])
 
-            # Chunks holding a blind query row: their outputs first, every key of their range a leaf.
+            def leaves_cache(index, stop=False):
+                start, end = streamed.chunks[index]
+                return BackwardCache(keys, values, start, end, *streamed.key_ranges[index], stop=stop)
+
+            # Chunks holding a blind query row (they read keys after their own rows): their outputs first.
             for index in sorted(streamed.blind):
-                start, end = streamed.chunks[index]
-                kv_start, kv_end = streamed.key_ranges[index]
-
-                def blind_outputs(out, cache, start=start, end=end):
-                    return [out], [grad_out[:, start:end]], cache.leaves
-
-                leaf_grads = chunk_backward(
-                    index,
-                    lambda s=start, e=end, ks=kv_start, ke=kv_end: BackwardCache(keys, values, s, e, ks, ke, own_as_leaf=True),
-                    blind_outputs,
-                )
-                for total, part in zip((grad_keys, grad_values), leaf_grads):
-                    if part is not None:
-                        total.add(part, kv_start, kv_end)
+                chunk_backward(index, leaves_cache(index), own_keys_values=False)
+            # Then every chunk from the last: chunk i adds only to rows before its end, so its own rows' dK/dV are
+            # final at its turn. A blind chunk's own K/V: the layer stopped at the cache.
             for index in reversed(range(len(streamed.chunks))):
-                start, end = streamed.chunks[index]
-                kv_start, kv_end = streamed.key_ranges[index]
                 if index in streamed.blind:
-                    # Its own K/V rows, now final: the layer stopped at the cache.
-                    def own_keys_values(out, cache, start=start, end=end):
-                        dk, dv = k_v_grads(start, end, cache.keys.dtype)
-                        return [cache.keys, cache.values], [dk, dv], []
-
-                    chunk_backward(
-                        index,
-                        lambda s=start, e=end: BackwardCache(keys, values, s, e, s, e, stop=True),
-                        own_keys_values,
-                    )
-                    release_final_rows(index)
-                    continue
-
-                def outputs(out, cache, start=start, end=end):
-                    dk, dv = k_v_grads(start, end, cache.keys.dtype)
-                    return [out, cache.keys, cache.values], [grad_out[:, start:end], dk, dv], cache.before or []
-
-                leaf_grads = chunk_backward(
-                    index, lambda s=start, e=end, ks=kv_start, ke=kv_end: BackwardCache(keys, values, s, e, ks, ke), outputs
-                )
-                for total, part in zip((grad_keys, grad_values), leaf_grads):
-                    if part is not None:
-                        total.add(part, kv_start, start)
+                    chunk_backward(index, leaves_cache(index, stop=True), outputs=False)
+                else:
+                    chunk_backward(index, leaves_cache(index))
                 release_final_rows(index)
             del keys, values
             if grad_keys.parts or grad_values.parts:  # rows added to after their chunks' turn: a lost gradient
@@ -419,12 +416,28 @@ def _forward_with_checkpoints(streamed, x):
 
 
 class _KeysValuesOnly(FixedCache):
+    stop = True
+
     def __init__(self):
         super().__init__(None, None)
 
     def _update(self, keys, values):
         self.keys, self.values = keys, values
         raise StopAfterKeysValues
+
+
+def _check_cache_is_empty(layer, cache) -> None:
+    """A streamed layer neither reads nor fills the cache, as under upstream's gradient checkpointing, which streaming
+    replaces: a training forward with the default `use_cache=True` returns the (empty) cache the model made, without
+    the whole sequence's keys and values (their memory is what streaming saves). Cached tokens from an earlier call
+    would be silently not attended to: refused."""
+    cached = cache.get_seq_length(layer.self_attn.layer_idx) if cache is not None else 0
+    if cached:
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME}: the cache passed (`cache` / `past_key_values`) holds {cached} cached tokens, "
+            "which a streamed layer cannot attend to (streamed training forwards neither read nor fill a cache). "
+            "Train without a cache, or unset the field."
+        )
 
 
 def _check_captured_outputs(layer) -> None:
@@ -444,8 +457,6 @@ def _check_captured_outputs(layer) -> None:
 
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward)."""
-    from ..mini_sequence import streaming as checks
-
     signature = inspect.signature(forward)
     bound = signature.bind(layer, *args, **kwargs)
     arguments = dict(bound.arguments)
@@ -460,13 +471,13 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     cache_name = "cache" if "cache" in signature.parameters else "past_key_values"
     given = [arguments.pop(name, None) for name in ("cache", "past_key_values")]
     given = next((c for c in given if c is not None), None)
-    checks._check_cache_is_empty(layer, given)
+    _check_cache_is_empty(layer, given)
     _check_captured_outputs(layer)
     streamed = StreamedCall(forward, layer, arguments, cache_name)
     # The attention module is called (its hooks run); hooks other than output capturing may swap its weights
     # (FSDP2 `fully_shard` on it, accelerate): then ordinary autograd takes every gradient (the fallback).
-    params = None if checks._foreign_attention_hooks(layer.self_attn) else checks._layer_parameters(layer)
-    offload = checks._offload_requested(layer)
+    params = layer_parameters(layer)
+    offload = offload_requested(layer)
     if params is None:
         if not offload:
             return _forward_with_checkpoints(streamed, hidden_states)

@@ -10,8 +10,24 @@ import bisect
 import weakref
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..mini_sequence.config import STREAMING_FIELD_NAME
+
+
+# Attention functions that, called with mask=None, mask an offset query chunk causally themselves, aligned
+# bottom-right (FlashAttention's convention), so a chunk needs no mask tensor. Only the planner registers one
+# (mini_sequence/plan.py: its FlashAttention-like memory stand-in, whose step must not allocate a [chunk, keys] mask).
+BOTTOM_RIGHT_CAUSAL_ATTENTION = set()
+
+
+def lower_right_causal_bias(q_len: int, kv_len: int):
+    """torch's lower-right causal bias (a Tensor subclass holding only the sizes), created with any active
+    TorchDispatchMode (a memory tracker, FakeTensorMode) suspended: torch cannot create that subclass under one.
+    The attention call itself runs under the modes as usual."""
+    with _disable_current_modes():
+        return causal_lower_right(q_len, kv_len)
 
 
 def sliding_window(attn):
@@ -88,9 +104,7 @@ def chunk_mask(mask, batch, start, end, kv_start, kv_end, window, device, causal
     if mask is not None:
         return mask[:, :, start:end, kv_start:kv_end]
     if causal_bias:
-        from ..mini_sequence.streaming import _lower_right_causal_bias
-
-        return _lower_right_causal_bias(end - start, kv_end - kv_start)
+        return lower_right_causal_bias(end - start, kv_end - kv_start)
     from ..masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
 
     mask_function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)

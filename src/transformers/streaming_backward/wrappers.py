@@ -1,0 +1,60 @@
+"""Whether the streamed layer's autograd Function may take a decoder layer's parameters as its inputs.
+
+It may when they are plain, hook-free leaf parameters while the layer runs (one process, DDP, PEFT LoRA, FSDP2 with
+decoder layers as units: its pre-forward hook has already swapped in unsharded plain parameters;
+mini_sequence/wrappers.py has the rules). When a wrapper may swap the weights inside the layer (ZeRO-3's
+per-module gathers, FSDP1's flat-parameter views, FSDP2 or accelerate hooks on the attention module), the layer
+takes the autograd fallback instead (layer.py `_forward_with_checkpoints`), so autograd delivers every gradient
+the wrapper expects.
+"""
+
+import torch
+
+from ..mini_sequence.wrappers import function_parameters
+
+
+def layer_parameters(layer):
+    """The layer's parameters that require grad if the Function may take them as inputs, else None.
+
+    Checked per child module rather than on the layer: transformers installs output-capturing hooks on decoder
+    layers and attention modules (output_hidden_states), which only read the outputs.
+    """
+    attn = layer.self_attn
+    if foreign_attention_hooks(attn):
+        return None
+    modules = [child for name, child in layer.named_children() if name != "self_attn"] + list(attn.children())
+    params = []
+    for module in modules:
+        module_params = function_parameters(module)
+        if module_params is None:
+            return None
+        params += module_params
+    for owner in (layer, attn):
+        for value in [*owner.parameters(recurse=False), *vars(owner).values()]:
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                return None  # a weight held by the layer itself (FSDP1 flat-parameter views)
+    return params
+
+
+def _is_idle_zero3_hook(attn, hook) -> bool:
+    """DeepSpeed ZeRO-3 hooks every module; a module's hooks gather (and release, and prepare the backward of) only
+    the parameters it holds itself, unless it is a ZeRO-3 leaf module. An attention module holding none gathers
+    nothing: its hooks change no weight (the projections' own hooks gather theirs)."""
+    return (
+        (getattr(hook, "__module__", None) or "").startswith("deepspeed.")
+        and hasattr(attn, "ds_id")
+        and not getattr(attn, "_z3_leaf", False)
+        and next(attn.parameters(recurse=False), None) is None
+    )
+
+
+def foreign_attention_hooks(attn) -> bool:
+    """Whether something other than transformers' output capturing or an idle ZeRO-3 hook hooks `attn` (its
+    hooks run, once per chunk: one that may swap weights sends the layer to the autograd fallback)."""
+    hooks = [*attn._forward_pre_hooks.values(), *attn._forward_hooks.values()]
+    foreign = [
+        hook
+        for hook in hooks
+        if getattr(hook, "__name__", "") != "output_capturing_hook" and not _is_idle_zero3_hook(attn, hook)
+    ]
+    return bool(foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__)
