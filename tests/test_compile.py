@@ -103,7 +103,7 @@ def test_mini_sequence_mlp_under_compile_replays_dropout_masks():
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_streaming_under_compile_is_exact(family):
-    """Llama streams through the hand-written layout, Qwen3 through the generic layer (streaming_backward/)."""
+    """Streamed layers (the layer's own forward per chunk, streaming_backward/) under torch.compile: exact."""
     ref = train_step(family, loss_of)
     compiled = train_step(family, torch.compile(loss_of), streaming_backward_chunk=48, mini_sequence_chunk=48)
     assert_same_step(compiled, ref)

@@ -32,7 +32,7 @@ def test_fake_peak_equals_real_peak(method):
 @pytest.mark.parametrize("method", STREAMED)
 def test_fake_peak_equals_real_peak_on_the_generic_streamed_layer(method):
     """Qwen3 streams through the generic layer (streaming_backward/), which runs the planner's stand-in attention
-    on offset chunks without a mask, as the layouts do."""
+    on offset chunks without a mask."""
     planner = plan.Planner(transformers.Qwen3Config(**TINY, head_dim=64))
     fake = planner.step_peak_bytes(method, 512)
     real = planner.step_peak_bytes(method, 512, fake=False)
@@ -399,9 +399,12 @@ def _tiny_gpt_oss():
                                      num_experts_per_tok=2)
 
 
-def test_streaming_is_refused_per_method_where_a_family_has_no_streaming_path(capsys, tmp_path):
-    """GPT-OSS has no streaming_backward_chunk path: a streamed plan would silently be a plain one. The planner
-    lists those methods as not planned (JSON and table), plans the others, and refuses a direct request."""
+def test_streaming_is_refused_per_method_where_a_family_has_no_streaming_path(capsys, tmp_path, monkeypatch):
+    """A family without a streaming_backward_chunk path (GPT-OSS taken out of the registry's streamed types here;
+    it streams since 5.24.0+mst.11): a streamed plan would silently be a plain one. The planner lists those
+    methods as not planned (JSON and table), plans the others, and refuses a direct request."""
+    assert plan.family_refusal("streaming", "gpt_oss") is None
+    monkeypatch.setattr(plan, "STREAMING_MODEL_TYPES", tuple(t for t in plan.STREAMING_MODEL_TYPES if t != "gpt_oss"))
     _tiny_gpt_oss().save_pretrained(tmp_path)
     args = ("--model", str(tmp_path / "config.json"), "--gpu-memory-gib", "1", "--optimizer", "none",
             "--seq-len", "256")

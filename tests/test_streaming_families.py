@@ -15,8 +15,11 @@ from transformers.streaming_backward import rows
 
 SEQ = 24
 CHUNKS = [1, 7, SEQ - 1, SEQ + 5]
-# The families only the generic path streams, with tests/tiny_models.py's tiny configs (GPT-OSS not tried yet).
-GENERIC_FAMILIES = {f: NEW_FAMILIES[f] for f in ("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe")}
+# The newer streamed families, with tests/tiny_models.py's tiny configs (GPT-OSS: alternating windows, sinks).
+GENERIC_FAMILIES = {f: NEW_FAMILIES[f] for f in ("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss")}
+# Upstream has no SDPA path for these (Gemma-2: soft-capped attention; GPT-OSS: sinks), and GPT-OSS's
+# FlashAttention needs a kernel with sinks (flash-attn has none): eager only.
+EAGER_ONLY = {"gemma2", "gpt_oss"}
 
 
 def seed_of(*parts):
@@ -80,7 +83,7 @@ ALL = sorted(GENERIC_FAMILIES) + sorted(FAMILIES)
 
 
 # Gemma-2 has no SDPA path upstream (soft-capped attention): eager only.
-IMPLEMENTATIONS = [(f, i) for f in ALL for i in ("sdpa", "eager") if not (f == "gemma2" and i == "sdpa")]
+IMPLEMENTATIONS = [(f, i) for f in ALL for i in ("sdpa", "eager") if not (f in EAGER_ONLY and i == "sdpa")]
 
 
 @pytest.mark.parametrize(("family", "implementation"), IMPLEMENTATIONS)
@@ -392,8 +395,8 @@ def test_key_value_gradients_freed_block_by_block(monkeypatch):
 # asserts that no kernel call gets an empty query or key segment.
 from test_streaming import flash_reference  # noqa: E402,F401  (a pytest fixture)
 
-# Every generic family whose attention upstream runs through flash_attention_2, and the four layout families.
-FLASH_FAMILIES = sorted(GENERIC_FAMILIES) + sorted(FAMILIES)
+# Every streamed family but Gemma-2 first, then the four original ones (Gemma-2 too: FlashAttention soft-caps).
+FLASH_FAMILIES = sorted(set(GENERIC_FAMILIES) - {"gpt_oss"}) + sorted(FAMILIES)
 
 
 def flash_padded_batch(seed, seq=SEQ):

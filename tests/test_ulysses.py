@@ -25,11 +25,17 @@ CASES = {
     "qwen2_window": "family=qwen2,case=window",  # use_sliding_window: layer 0 full, layer 1 sliding (8)
     "packed": "family=llama,case=packed",  # three documents per row, position_ids restarting
     "padding": "family=llama,case=padding",  # 2D attention_mask, right padding
+    "qwen3_window": "family=qwen3,case=window",  # q/k norms; layer 0 full, layer 1 sliding (8)
+    "gemma3_window": "family=gemma3_text,case=window",  # layer 0 sliding (8), layer 1 full; sandwich norms
+    "mixtral_padding": "family=mixtral,case=padding",  # MoE blocks; config sliding_window None
+    "phi3_packed": "family=phi3,case=packed",  # fused qkv_proj and gate_up_proj
 }
 # mini_sequence_chunk=4 (flag on) in one ZeRO stage, unset in the other, per case.
 SP_RUNS = {
-    2: {"window": "", "qwen2_window": ",chunk=4", "packed": ",chunk=4", "padding": ""},
-    3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4"},
+    2: {"window": "", "qwen2_window": ",chunk=4", "packed": ",chunk=4", "padding": "", "qwen3_window": ",chunk=4",
+        "gemma3_window": "", "mixtral_padding": ",chunk=4", "phi3_packed": ""},
+    3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4", "qwen3_window": "",
+        "gemma3_window": ",chunk=4", "mixtral_padding": "", "phi3_packed": ",chunk=4"},
 }
 
 
@@ -78,10 +84,10 @@ def test_sp2_refuses_what_it_cannot_make_exact(tmp_path):
     specs = [
         "indivisible:family=mistral,seq=31",  # 31 tokens over sp=2
         "eager:family=mistral,attn=eager",  # Ulysses cannot run eager attention (accelerate refuses it)
-        "other_family:family=qwen3",  # a model whose masks transformers-mst does not rebuild
+        "other_family:family=gemma",  # a model type outside the registry: its masks are not rebuilt
     ]
     results = torchrun(2, 2, specs, tmp_path, "errors")
     assert "isn't divisible by sp-size=2" in results["indivisible"].get("error", ""), results["indivisible"]
     assert "Invalid sp_attn_implementation: eager" in results["eager"].get("error", ""), results["eager"]
     err = results["other_family"].get("error", "")
-    assert err.startswith("ValueError") and "'qwen3'" in err and "model_type in" in err, results["other_family"]
+    assert err.startswith("ValueError") and "'gemma'" in err and "model_type in" in err, results["other_family"]

@@ -62,13 +62,17 @@ def train(spec, sp, workdir):
         overrides["sliding_window"] = 8  # smaller than the sequence and than each rank's shard
     if spec["family"] == "qwen2":  # sliding layers from layer 1 on
         overrides.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    if spec["family"] == "qwen3":  # a family outside the four: Ulysses must refuse it
+    if spec["family"] == "qwen3":  # sliding layers from layer 1 on
+        overrides.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    if spec["family"] == "gemma3_text":  # layer 0 slides (8), layer 1 full
+        overrides.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    if spec["family"] == "gemma":  # a model type outside the registry: Ulysses must refuse it
         torch.manual_seed(0)
-        config = transformers.Qwen3Config(
+        config = transformers.GemmaConfig(
             vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, attn_implementation=spec["attn"],
         )
-        model = transformers.Qwen3ForCausalLM(config)
+        model = transformers.GemmaForCausalLM(config)
     else:
         model = make_model(spec["family"], seed=0, **overrides)
     model.config.use_cache = False

@@ -11,13 +11,18 @@ import torch
 # free memory sooner, larger ones keep the adds into them few. Measured (fp32, d=256, 256-token chunks, 2
 # threads): 256 rows against 1024 hold 0.75 MiB less at S=32K and take the same time at S=8K (6.65 s a step).
 BLOCK_ROWS = 256
+# At most about this many blocks: a chunk's dK/dV part is added block by block, so many small blocks mean many
+# small adds (quadratic in the number of blocks); 1/16 of dK/dV held a little longer is what that costs.
+MAX_BLOCKS = 16
 
 
 def row_blocks(chunks):
-    """Consecutive chunks [(start, end)] grouped into blocks of at least BLOCK_ROWS rows: [[first, end_chunk]]."""
+    """Consecutive chunks [(start, end)] grouped into blocks of at least max(BLOCK_ROWS, sequence / MAX_BLOCKS)
+    rows: [[first, end_chunk]]."""
+    rows = max(BLOCK_ROWS, -(-chunks[-1][1] // MAX_BLOCKS))
     blocks = []
     for index, (start, _) in enumerate(chunks):
-        if not blocks or chunks[blocks[-1][0]][0] + BLOCK_ROWS <= start:
+        if not blocks or chunks[blocks[-1][0]][0] + rows <= start:
             blocks.append([index, index + 1])
         blocks[-1][1] = index + 1
     return blocks

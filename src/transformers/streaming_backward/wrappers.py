@@ -10,7 +10,7 @@ the wrapper expects.
 
 import torch
 
-from ..mini_sequence.wrappers import function_parameters
+from ..mini_sequence.wrappers import _is_plain_parameter, function_parameters
 
 
 def layer_parameters(layer):
@@ -29,10 +29,15 @@ def layer_parameters(layer):
         if module_params is None:
             return None
         params += module_params
-    for owner in (layer, attn):
-        for value in [*owner.parameters(recurse=False), *vars(owner).values()]:
+    for owner in (layer, attn):  # their own parameters (GPT-OSS's attention sinks): plain ones only
+        for value in vars(owner).values():
             if isinstance(value, torch.Tensor) and value.requires_grad:
-                return None  # a weight held by the layer itself (FSDP1 flat-parameter views)
+                return None  # a weight installed as a plain attribute (FSDP1's parameter views)
+        for param in owner.parameters(recurse=False):
+            if param.requires_grad:
+                if not _is_plain_parameter(param):
+                    return None  # FSDP1's FlatParameter, a DTensor, a ZeRO-3 parameter
+                params.append(param)
     return params
 
 
