@@ -22,7 +22,7 @@ sys.path.insert(0, str(DISTRIBUTED))
 
 import fsdp_run  # noqa: E402
 import trainer_run  # noqa: E402
-from trainer_run import FAMILIES, SEQ, STREAM, VARIANTS  # noqa: E402
+from trainer_run import FAMILIES, REFUSED, SEQ, STREAM, VARIANTS  # noqa: E402
 
 TOLERANCE = 1e-5
 LAUNCH_TIMEOUT_S = 300
@@ -47,12 +47,15 @@ def max_abs_diff(a, b):
 RUNS = [("trainer_run.py", w) for w in sorted(trainer_run.WRAPPERS)] + [("fsdp_run.py", w) for w in sorted(fsdp_run.WRAPPERS)]
 # Wrappers whose layer weights are not plain parameters of the layer's children (ZeRO-3 partitions
 # them, FSDP1 installs flat-parameter views): the streamed layer runs under nested checkpointing
-# (streaming.py: the layer, then each chunk), so each chunk is computed 3 times (forward, the layer's
-# recompute, the chunk's recompute) less one: torch's non-reentrant checkpoint stops the layer's
-# recompute early, before the last chunk (measured 14 = 3 x 5 - 1; 15 with early stop off). Elsewhere
-# (DDP, ZeRO-2, and FSDP2, whose unsharded weights are plain parameters during the layer's call) the
-# streaming Function computes each chunk twice (forward, backward). Checkpointing on top would add
-# one more computation per chunk: these counts catch it.
+# (streaming_backward/layer.py `_forward_with_checkpoints`: the layer, then each chunk). Counted are
+# calls of the layer's forward on one chunk (StreamedCall.call), K/V-only ones (the layer stopped at the
+# cache) included. Nested: the forward's n K/V and n chunk outputs, the layer's recompute (n K/V and n - 1
+# chunks: torch's non-reentrant checkpoint stops it early, before the last chunk's), and each chunk's own
+# recompute: 5n - 1. Elsewhere (DDP, ZeRO-2, and FSDP2, whose unsharded weights are plain parameters during
+# the layer's call) the streaming Function: the forward's n chunks, the backward's n K/V and n recomputed
+# chunks: 3n, and 2 more for each chunk holding a query row that sees no key (right padding longer than
+# Mistral's window: that chunk reads every key, layer.py's docstring). Checkpointing on top would add more:
+# these counts catch it.
 CHECKPOINTED_STREAMING = {"zero3", "zero3_offload", "fsdp1_orig_params", "fsdp1_flat_params"}
 MICRO_BATCHES, LAYERS = 6, 2
 
@@ -66,9 +69,10 @@ def assert_streamed_as_expected(wrapper, family, variant, run):
         assert run["layer_calls"] == run["chunk_calls"] == 0, (wrapper, family, variant)
         return
     chunks = -(-SEQ // STREAM)
-    per_layer_call = 3 * chunks - 1 if wrapper in CHECKPOINTED_STREAMING else 2 * chunks
+    per_layer_call = 5 * chunks - 1 if wrapper in CHECKPOINTED_STREAMING else 3 * chunks
     assert run["layer_calls"] == MICRO_BATCHES * LAYERS, (wrapper, family, run["layer_calls"])
-    assert run["chunk_calls"] == MICRO_BATCHES * LAYERS * per_layer_call, (wrapper, family, run["chunk_calls"])
+    blind = 0 if wrapper in CHECKPOINTED_STREAMING else 2 * run["blind_chunks"]
+    assert run["chunk_calls"] == MICRO_BATCHES * LAYERS * per_layer_call + blind, (wrapper, family, run["chunk_calls"])
 
 
 @pytest.mark.parametrize("script, wrapper", RUNS, ids=[w for _, w in RUNS])
@@ -85,6 +89,9 @@ def test_flag_on_trains_like_flag_off(script, wrapper, tmp_path):
             assert max_abs_diff(off["state"][name], initial) > 1e-6, (wrapper, family, name, "did not train")
         for variant in [v for v in VARIANTS if v != "off"]:
             on = results[(family, variant)]
+            if (wrapper, family, variant) in REFUSED:  # a clear ValueError at the first forward, not DeepSpeed's assert
+                assert on["error"] and "not supported on MoE models" in on["error"], (wrapper, family, on)
+                continue
             assert_streamed_as_expected(wrapper, family, variant, on)
             assert len(off["losses"]) == len(on["losses"]) == MICRO_BATCHES, (family, off["losses"], on["losses"])
             loss_diff = max(abs(a - b) for a, b in zip(off["losses"], on["losses"]))

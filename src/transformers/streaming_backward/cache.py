@@ -61,10 +61,10 @@ class RecordingCache(_ChunkCache):
 
 
 class BackwardCache(_ChunkCache):
-    """Backward recomputation of chunk [start, end): records the chunk's K/V (with graph: `keys`, `values`) and
-    returns the K/V buffers' rows [kv_start, kv_end) as detached leaves (`leaves`; views, no copy). The leaves'
-    gradients are the dK/dV this chunk's queries add to every key they read, its own rows included; those go back
-    through the recorded K/V once final. `stop=True` raises after recording (a chunk's own K/V pass)."""
+    """Backward recomputation of a chunk that reads keys after its own rows (a blind chunk, layer.py): records the
+    chunk's K/V (with graph: `keys`, `values`) and returns the K/V buffers' rows [kv_start, kv_end) as detached
+    leaves (`leaves`; views, no copy), whose gradients the caller adds into dK/dV. `stop=True` raises after
+    recording: the chunk's own K/V pass at its turn, once its rows' dK/dV are final."""
 
     def __init__(self, all_keys, all_values, start, end, kv_start, kv_end, stop=False):
         super().__init__()
@@ -80,6 +80,44 @@ class BackwardCache(_ChunkCache):
         if self.stop:
             raise StopAfterKeysValues
         return self.leaves[0], self.leaves[1]
+
+
+class JoinedCache(_ChunkCache):
+    """Backward recomputation of chunk [start, end) that reads keys [kv_start, end): returns the K/V buffers' rows
+    [kv_start, end) (views, no copy), joined by `_JoinRows` to the K/V the layer computed for the chunk's own rows.
+    In the backward the gradient of the earlier rows is added into the dK/dV sums (`sinks`, rows.RowBlocks), and
+    that of its own rows, plus what later chunks summed there, goes back through the layer's own K/V projections,
+    norms and RoPE, all in the chunk's one `autograd.grad`."""
+
+    def __init__(self, all_keys, all_values, start, end, kv_start, sinks):
+        super().__init__()
+        self.keys = self.values = None
+        self.rows = (all_keys[:, :, kv_start:end], all_values[:, :, kv_start:end])
+        self.sinks, self.span = sinks, (kv_start, start, end)
+        self.leaves = []
+
+    def _update(self, keys, values):
+        self.keys, self.values = keys, values
+        return tuple(_JoinRows.apply(own, rows, sink, *self.span) for own, rows, sink in zip((keys, values), self.rows, self.sinks))
+
+
+class _JoinRows(torch.autograd.Function):
+    """Forward: the buffer's rows [kv_start, end) (equal to `own` on [start, end): recorded in the forward). Backward:
+    rows [kv_start, start) of the gradient into `sink`; rows [start, end) plus the sink's (final) rows to `own`."""
+
+    @staticmethod
+    def forward(ctx, own, rows, sink, kv_start, start, end):
+        ctx.sink, ctx.span = sink, (kv_start, start, end)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        kv_start, start, end = ctx.span
+        if start > kv_start:
+            ctx.sink.add(grad[:, :, : start - kv_start], kv_start, start)
+        own = grad[:, :, start - kv_start :]
+        total = ctx.sink.rows(start, end, torch.promote_types(own.dtype, ctx.sink.dtype))
+        return (total + own).to(grad.dtype), None, None, None, None, None
 
 
 class FixedCache(_ChunkCache):

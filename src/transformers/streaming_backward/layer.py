@@ -8,15 +8,16 @@ blocks, ...), and a rebase sees upstream's layer changes.
 
 Forward (no graph): chunk by chunk, the recording cache writes the chunk's K/V (after K-norm and RoPE, before
 repeat_kv) into full-sequence buffers and returns K/V[kv_start:end]. The layer input is saved for backward (as
-checkpointing saves it) and, with `KEEP_KEYS_VALUES` (default), the forward's K/V too.
+checkpointing saves it) and, with `KEEP_KEYS_VALUES` (off by default), the forward's K/V too.
 
 Backward (one autograd Function), chunks from the last to the first. Chunk i is recomputed once, with graph, with
-a cache that returns the buffers' K/V[kv_start:end] as detached leaves (views: no copy) and records the K/V k_i,
-v_i the layer computed for the chunk's own rows. A first `autograd.grad` of out_i (graph kept) gives the leaves'
-gradients, added into dK/dV (row blocks, rows.py); the chunk's own rows are then final (earlier chunks only read
-keys before their own start), and a second `autograd.grad` sends dK/dV[start:end] back through k_i, v_i: the
-layer's own K/V projections, norms and RoPE. Every projection thus sees each token twice per step (forward and
-one recompute), as under checkpointing, and chunk i reads only keys before its end.
+a cache (cache.JoinedCache) that returns the buffers' K/V[kv_start:end] (views, no copy) joined to the K/V the
+layer computes for the chunk's own rows. One `autograd.grad` of out_i then does everything: at the join, the
+gradient of the earlier rows is added into dK/dV (row blocks, rows.py), and that of the chunk's own rows, plus
+what later chunks summed there (final: earlier chunks read no key after their own start), flows on through the
+layer's own K/V projections, norms and RoPE. o_proj and the MLP see each token twice per step (forward and one
+recompute), as under checkpointing, q/k/v three times (the K/V pass below), and chunk i reads only keys before
+its end.
 
 A chunk holding a query row that sees no key (a left-padding position) reads the whole sequence, as the unsplit
 layer does (masks.plan_key_ranges): in the forward it first only records its K/V (the layer stops at the cache,
@@ -24,8 +25,9 @@ layer does (masks.plan_key_ranges): in the forward it first only records its K/V
 (every key a leaf), its own K/V at its turn (the layer stopped at the cache again). Only such chunks cost one
 more pass through the projections before the cache.
 
-`KEEP_KEYS_VALUES = False` keeps only the layer input (checkpointing's memory) and recomputes K/V in backward
-with the layer stopped at the cache: the projections before the cache (q, k, v) then see each token 3 times.
+By default only the layer input is kept (checkpointing's memory), and the backward first recomputes every chunk's
+K/V without graph (the layer stopped at the cache); `KEEP_KEYS_VALUES = True` keeps the forward's K/V instead
+(2 passes through q/k/v, more memory).
 """
 
 import inspect
@@ -40,9 +42,9 @@ from ..mini_sequence._state import (
     restore_rng_state,
 )
 from ..mini_sequence.config import STREAMING_FIELD_NAME, streaming_chunk_size
-from ..mini_sequence.families import streaming_model_types
+from ..mini_sequence.families import model_types, streaming_model_types
 from ..mini_sequence.wrappers import check_graph_inputs, refuse_create_graph
-from .cache import BackwardCache, FixedCache, RecordingCache, StopAfterKeysValues
+from .cache import BackwardCache, FixedCache, JoinedCache, RecordingCache, StopAfterKeysValues
 from .offload import SavedInput, offload_requested
 from .rows import RowBlocks, row_blocks
 from .wrappers import layer_parameters
@@ -67,6 +69,7 @@ SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH_ATTENTION)
 # through q/k/v costs about 3% of a Llama-3-8B step's matmul FLOPs.
 KEEP_KEYS_VALUES = False
 STREAMING_MODEL_TYPES = streaming_model_types()
+MOE_MODEL_TYPES = model_types(mini_sequence="moe")
 
 
 def applies(layer) -> bool:
@@ -300,10 +303,11 @@ class StreamedLayerFunction(torch.autograd.Function):
                 accumulate_grads(acc, grads)
 
             def chunk_backward(index, cache, outputs=True, own_keys_values=True):
-                """Recompute chunk `index` with graph, its attention reading every key of its range as detached leaves
-                from the K/V buffers (`cache`). `outputs`: backpropagate dOut of its rows and add the leaves' gradients
-                into dK/dV; `own_keys_values`: then backpropagate the (now final) dK/dV of its own rows through the
-                K/V the layer computed for them (the same graph: its own projections, norms and RoPE)."""
+                """Recompute chunk `index` with graph, its attention reading the K/V buffers through `cache`.
+                `outputs`: backpropagate dOut of its rows (a JoinedCache routes the K/V gradients itself; a
+                BackwardCache's leaves' gradients are added into dK/dV here); `own_keys_values` (a BackwardCache
+                that stopped at the cache): backpropagate the (final) dK/dV of its own rows through the K/V the layer
+                computed for them."""
                 start, end = streamed.chunks[index]
                 kv_start, kv_end = streamed.key_ranges[index]
                 with restore_rng_state(streamed.chunk_rng[index], device), torch.enable_grad():
@@ -316,15 +320,13 @@ class StreamedLayerFunction(torch.autograd.Function):
                             check_graph_inputs(tensor, [x_chunk, *(cache.leaves or []), *params], "streaming backward")
                         checked.append(True)
                     if outputs:
-                        grads = torch.autograd.grad(
-                            out, [*cache.leaves, *inputs], grad_out[:, start:end], allow_unused=True,
-                            retain_graph=own_keys_values,
-                        )
+                        leaves = cache.leaves
+                        grads = torch.autograd.grad(out, [*leaves, *inputs], grad_out[:, start:end], allow_unused=True)
                         del out
-                        for total, part in zip((grad_keys, grad_values), grads[:2]):
+                        for total, part in zip((grad_keys, grad_values), grads[: len(leaves)]):
                             if part is not None:
                                 total.add(part, kv_start, kv_end)
-                        add_input_grads(grads[2:], start, end)
+                        add_input_grads(grads[len(leaves) :], start, end)
                         del grads
                     if own_keys_values:
                         pairs = [(tensor, total.rows(start, end, tensor.dtype))
@@ -346,16 +348,21 @@ class StreamedLayerFunction(torch.autograd.Function):
                 start, end = streamed.chunks[index]
                 return BackwardCache(keys, values, start, end, *streamed.key_ranges[index], stop=stop)
 
-            # Chunks holding a blind query row (they read keys after their own rows): their outputs first.
+            # Chunks holding a blind query row (they read keys after their own rows): their outputs first, every key
+            # of their range a leaf.
             for index in sorted(streamed.blind):
                 chunk_backward(index, leaves_cache(index), own_keys_values=False)
             # Then every chunk from the last: chunk i adds only to rows before its end, so its own rows' dK/dV are
-            # final at its turn. A blind chunk's own K/V: the layer stopped at the cache.
+            # final at its turn, and one backward takes its output and its own K/V. A blind chunk's own K/V: the
+            # layer stopped at the cache.
             for index in reversed(range(len(streamed.chunks))):
+                start, end = streamed.chunks[index]
                 if index in streamed.blind:
                     chunk_backward(index, leaves_cache(index, stop=True), outputs=False)
                 else:
-                    chunk_backward(index, leaves_cache(index))
+                    kv_start = streamed.key_ranges[index][0]
+                    cache = JoinedCache(keys, values, start, end, kv_start, (grad_keys, grad_values))
+                    chunk_backward(index, cache, own_keys_values=False)
                 release_final_rows(index)
             del keys, values
             if grad_keys.parts or grad_values.parts:  # rows added to after their chunks' turn: a lost gradient
@@ -440,6 +447,19 @@ def _check_cache_is_empty(layer, cache) -> None:
         )
 
 
+def _check_no_zero3_moe(layer) -> None:
+    """MoE decoder layers under DeepSpeed ZeRO-3 (parameters with `ds_id`) take the nested-checkpoint fallback, where
+    DeepSpeed 0.19's gradient reduction asserts (`__reduce_and_partition_ipg_grads`: a parameter twice in one bucket;
+    tiny Mixtral on 2 gloo processes, dense families pass): refused before it would fail mid-backward."""
+    config = layer.self_attn.config
+    if config.model_type in MOE_MODEL_TYPES and any(hasattr(p, "ds_id") for p in layer.parameters()):
+        raise ValueError(
+            f"{STREAMING_FIELD_NAME} is not supported on MoE models ({type(layer).__name__}) under DeepSpeed ZeRO-3 "
+            "yet: DeepSpeed's gradient reduction fails on the streamed layer's recompute. Use ZeRO-1/2 or FSDP, or "
+            "unset the field (mini_sequence_chunk works under ZeRO-3)."
+        )
+
+
 def _check_captured_outputs(layer) -> None:
     """Outputs that transformers captures inside the layer (attentions, MoE router logits: hooks on submodules)
     would be captured once per chunk, without graph: refused. Hidden states are captured around the layer: fine."""
@@ -479,6 +499,7 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     params = layer_parameters(layer)
     offload = offload_requested(layer)
     if params is None:
+        _check_no_zero3_moe(layer)
         if not offload:
             return _forward_with_checkpoints(streamed, hidden_states)
         on_accelerator = hidden_states.device.type != "cpu"
