@@ -27,15 +27,14 @@ CASES = {
     "padding": "family=llama,case=padding",  # 2D attention_mask, right padding
     "qwen3_window": "family=qwen3,case=window",  # q/k norms; layer 0 full, layer 1 sliding (8)
     "gemma3_window": "family=gemma3_text,case=window",  # layer 0 sliding (8), layer 1 full; sandwich norms
-    "mixtral_padding": "family=mixtral,case=padding",  # MoE blocks; config sliding_window None
     "phi3_packed": "family=phi3,case=packed",  # fused qkv_proj and gate_up_proj
 }
 # mini_sequence_chunk=4 (flag on) in one ZeRO stage, unset in the other, per case.
 SP_RUNS = {
     2: {"window": "", "qwen2_window": ",chunk=4", "packed": ",chunk=4", "padding": "", "qwen3_window": ",chunk=4",
-        "gemma3_window": "", "mixtral_padding": ",chunk=4", "phi3_packed": ""},
+        "gemma3_window": "", "phi3_packed": ""},
     3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4", "qwen3_window": "",
-        "gemma3_window": ",chunk=4", "mixtral_padding": "", "phi3_packed": ",chunk=4"},
+        "gemma3_window": ",chunk=4", "phi3_packed": ",chunk=4"},
 }
 
 

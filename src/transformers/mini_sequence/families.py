@@ -34,7 +34,7 @@ FAMILIES = {
     "phi3": Family("Phi-3", "mlp", _ATTENTION, ulysses=True),
     "olmo2": Family("OLMo-2", "mlp", _ATTENTION),
     "gemma3_text": Family("Gemma-3 text", "mlp", _ATTENTION, ulysses=True),
-    "mixtral": Family("Mixtral", "moe", _ATTENTION, ulysses=True),
+    "mixtral": Family("Mixtral", "moe", _ATTENTION),
     "qwen3_moe": Family("Qwen3-MoE", "moe", _ATTENTION),
     # GPT-OSS: sinks; upstream has no SDPA path, and its FlashAttention needs a kernel with sinks (not flash-attn).
     "gpt_oss": Family("GPT-OSS", "moe", ("eager",)),
