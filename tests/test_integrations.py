@@ -434,23 +434,56 @@ def test_peft_lora_all_projections_streaming_equals_off(family, chunk, streamed_
 
 
 class _PlainAutogradStreaming:
-    """Stands in for `_StreamedLayerFunction`: the same chunked forward (same arithmetic, same dropout
-    draws in the same order), recorded by ordinary autograd instead of streamed backward."""
+    """Stands in for the streamed layer's Function: the same chunk calls in the same order (so the same dropout
+    draws, K/V-only passes of blind chunks included), recorded by ordinary autograd instead of the streamed
+    backward: each chunk's K/V are kept with their graph and concatenated for the chunks that read them."""
 
     @staticmethod
     def apply(x, streamed, offload, *params):
-        return streamed.forward_without_graph(x)
+        from transformers.streaming_backward.cache import StopAfterKeysValues, _ChunkCache
+
+        written = {}  # chunk start -> (keys, values) with graph
+
+        class GraphCache(_ChunkCache):
+            def __init__(self, start, kv_start, kv_end, stop=False, write=True):
+                super().__init__()
+                self.start, self.kv_start, self.kv_end, self.stop, self.write = start, kv_start, kv_end, stop, write
+
+            def _update(self, keys, values):
+                if self.write:
+                    written[self.start] = (keys, values)
+                if self.stop:
+                    raise StopAfterKeysValues
+                parts = [written[start] for start in sorted(written)]  # contiguous from 0 when read
+                keys, values = (torch.cat([part[i] for part in parts], dim=2) for i in (0, 1))
+                return keys[:, :, self.kv_start : self.kv_end], values[:, :, self.kv_start : self.kv_end]
+
+        outputs = {}
+        for index in sorted(streamed.blind):
+            start, end = streamed.chunks[index]
+            streamed.call(x[:, start:end], index, GraphCache(start, start, end, stop=True))
+        for index in streamed.forward_order():
+            start, end = streamed.chunks[index]
+            cache = GraphCache(start, *streamed.key_ranges[index], write=index not in streamed.blind)
+            outputs[index] = streamed.call(x[:, start:end], index, cache)
+        return torch.cat([outputs[index] for index in range(len(streamed.chunks))], dim=1)
 
 
-def test_peft_lora_dropout_streamed_backward_is_exact(monkeypatch, streamed_layers):
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_peft_lora_dropout_streamed_backward_is_exact(padding, monkeypatch, streamed_layers):
     """LoRA with dropout 0.3 on every projection: flag on and off draw different dropout masks (the
     chunks draw in another order), so they cannot be compared. What must hold is that the streamed
     backward is the exact gradient of the streamed forward, i.e. it replays the forward's dropout masks
-    in every recomputation (the K/V pass, each chunk, the K/V backward). Reference: the same chunked
+    in every recomputation (the backward's K/V pass, each chunk's recompute, a blind chunk's own K/V). Reference: the same chunked
     forward, from the same RNG state, under plain autograd. A mask drawn afresh in backward changes the
-    gradients by O(1) (checked: the dropout-free gradients differ by more than 10%)."""
+    gradients by O(1) (checked: the dropout-free gradients differ by more than 10%). Left padding: the first
+    chunk holds rows that see no key, so it runs a K/V-only pass first, whose draws its K/V keep."""
     require("peft")
     batch = padded_batch()
+    if padding == "left":
+        mask = torch.ones_like(batch["attention_mask"])
+        mask[1, :9] = 0
+        batch.update(attention_mask=mask, labels=batch["input_ids"].masked_fill(mask == 0, -100))
 
     def run(dropout):
         model = make_model("llama", streaming_backward_chunk=STREAM)
@@ -466,7 +499,9 @@ def test_peft_lora_dropout_streamed_backward_is_exact(monkeypatch, streamed_laye
     streamed = run(0.3)
     no_dropout = run(0.0)
     assert streamed_layers["layers"] == 4
-    monkeypatch.setattr(streaming, "_StreamedLayerFunction", _PlainAutogradStreaming)
+    from transformers.streaming_backward import layer as streamed_layer
+
+    monkeypatch.setattr(streamed_layer, "StreamedLayerFunction", _PlainAutogradStreaming)
     reference = run(0.3)
     assert_streamed_lora_grads_close(reference, streamed, expected_count=28)
     # Dropout really was active in both: far from the dropout-free gradients.

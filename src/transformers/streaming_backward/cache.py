@@ -39,11 +39,13 @@ class _ChunkCache:
 class RecordingCache(_ChunkCache):
     """Forward (no graph): writes chunk [start, end)'s K/V into full-sequence buffers and returns K/V[kv_start:kv_end].
     With `stop=True` it raises `StopAfterKeysValues` after writing (a chunk whose keys reach past its own end, run
-    again once every key exists)."""
+    again once every key exists). `write=False` keeps what an earlier pass wrote for the chunk's rows (that second
+    run: every reader then sees one K/V for them, whatever dropout draws)."""
 
-    def __init__(self, buffers, start, end, kv_start, kv_end, stop=False):
+    def __init__(self, buffers, start, end, kv_start, kv_end, stop=False, write=True):
         super().__init__()
-        self.buffers, self.start, self.end, self.kv_start, self.kv_end, self.stop = buffers, start, end, kv_start, kv_end, stop
+        self.buffers, self.start, self.end, self.kv_start, self.kv_end = buffers, start, end, kv_start, kv_end
+        self.stop, self.write = stop, write
 
     def _update(self, keys, values):
         if self.buffers[0] is None:
@@ -53,8 +55,9 @@ class RecordingCache(_ChunkCache):
         all_keys, all_values = self.buffers[0], self.buffers[1]
         if keys.shape[2] != self.end - self.start:
             raise RuntimeError("streaming backward: the attention passed the cache keys of another length than its chunk.")
-        all_keys[:, :, self.start : self.end].copy_(keys)
-        all_values[:, :, self.start : self.end].copy_(values)
+        if self.write:
+            all_keys[:, :, self.start : self.end].copy_(keys)
+            all_values[:, :, self.start : self.end].copy_(values)
         if self.stop:
             raise StopAfterKeysValues
         return all_keys[:, :, self.kv_start : self.kv_end], all_values[:, :, self.kv_start : self.kv_end]

@@ -167,7 +167,7 @@ class StreamedCall:
             self.blind = set()
         else:
             self.key_ranges, self.blind = plan_key_ranges(mask, self.chunks, self.window, self.seq_len)
-        self.chunk_rng = None
+        self.chunk_rng, self.kv_rng = None, {}
 
     def call(self, x_chunk, index, cache):
         """The layer's own forward on chunk `index` (rows of `x_chunk`), its attention meeting `cache`."""
@@ -207,8 +207,16 @@ class StreamedCall:
         )
 
     def keys_values_only(self, rows, buffers):
+        """Every chunk's K/V into `buffers` (the layer stopped at the cache), each pass replaying the RNG state of the
+        forward pass that wrote them (`keys_values_rng`): the same dropout draws, the same K/V."""
         for index, (start, end) in enumerate(self.chunks):
-            self.call(rows(start, end), index, RecordingCache(buffers, start, end, start, end, stop=True))
+            with restore_rng_state(self.keys_values_rng(index), self.device):
+                self.call(rows(start, end), index, RecordingCache(buffers, start, end, start, end, stop=True))
+
+    def keys_values_rng(self, index):
+        """The RNG state of the forward pass that wrote chunk `index`'s K/V: a blind chunk's K/V-only pass, else its
+        one pass."""
+        return self.kv_rng.get(index, self.chunk_rng[index])
 
     def forward_order(self):
         """Chunks in the forward's order: a chunk reading every key (blind, see masks.plan_key_ranges) last."""
@@ -219,15 +227,18 @@ class StreamedCall:
         buffers = [None, None, self.seq_len]
         out = None
         if record_rng:
-            self.chunk_rng = [None] * len(self.chunks)
+            self.chunk_rng, self.kv_rng = [None] * len(self.chunks), {}
         for index in sorted(self.blind):  # their keys first; their outputs once every key exists
             start, end = self.chunks[index]
+            if record_rng:
+                self.kv_rng[index] = capture_rng_state(x.device)
             self.call(x[:, start:end], index, RecordingCache(buffers, start, end, start, end, stop=True))
         for index in self.forward_order():
             start, end = self.chunks[index]
             if record_rng:
                 self.chunk_rng[index] = capture_rng_state(x.device)
-            cache = RecordingCache(buffers, start, end, *self.key_ranges[index])
+            # A blind chunk keeps the K/V its first pass wrote, which the other chunks read.
+            cache = RecordingCache(buffers, start, end, *self.key_ranges[index], write=index not in self.blind)
             chunk_out = self.call(x[:, start:end], index, cache)
             if out is None:
                 out = chunk_out.new_empty(x.shape[:2] + chunk_out.shape[2:])
@@ -310,7 +321,9 @@ class StreamedLayerFunction(torch.autograd.Function):
                 computed for them."""
                 start, end = streamed.chunks[index]
                 kv_start, kv_end = streamed.key_ranges[index]
-                with restore_rng_state(streamed.chunk_rng[index], device), torch.enable_grad():
+                # Its own K/V alone (no output): the state of the forward pass that wrote them.
+                rng = streamed.chunk_rng[index] if outputs else streamed.keys_values_rng(index)
+                with restore_rng_state(rng, device), torch.enable_grad():
                     x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
                     out = streamed.call(x_chunk, index, cache)
                     inputs = [*([x_chunk] if needs_x else []), *wanted]
