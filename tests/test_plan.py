@@ -471,3 +471,81 @@ def test_progress_bar_goes_to_stderr(capsys, tiny_config):
     # (Not "2/" absent from stdout: the JSON holds the config's path, e.g. /tmp/pytest-of-root/pytest-72/.)
     assert "fake training steps" in err and "fake training steps" not in out and "step/s" not in out, err[-2000:]
     assert "2step" in err.replace(" ", ""), err[-2000:]
+
+
+# --- the shallow stack (layer_phases.py): a deep stack's bytes from a few of its layers --------------------------
+
+def _deep(family, **overrides):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import make_config
+
+    return make_config(family, **overrides)
+
+
+SHALLOW_SIZES = dict(hidden_size=64, intermediate_size=128)  # 2 chunks of 64 tokens ("auto") at the tests' 128
+SHALLOW_CASES = {
+    # family config, Parallel, optimizer_in_backward: period 1 (4 layers measured for 6), period 2 (8 for 10)
+    "llama": (lambda: _deep("llama", num_hidden_layers=6, **SHALLOW_SIZES), plan.Parallel(), True),
+    "llama_gradients_kept": (lambda: _deep("llama", num_hidden_layers=6, **SHALLOW_SIZES), plan.Parallel(), False),
+    "llama_zero3": (lambda: _deep("llama", num_hidden_layers=5, **SHALLOW_SIZES), plan.Parallel(2, 3), False),
+    "llama_zero2_offload": (lambda: _deep("llama", num_hidden_layers=5, **SHALLOW_SIZES),
+                            plan.Parallel(2, 2, 1, ("inputs", "optimizer")), False),
+    "llama_ulysses": (lambda: _deep("llama", num_hidden_layers=5, **SHALLOW_SIZES), plan.Parallel(2, 1, 2, ("inputs",)),
+                      False),
+    "gemma3_windows": (lambda: _deep("gemma3_text", num_hidden_layers=10, layer_types=None, sliding_window_pattern=2,
+                                     **SHALLOW_SIZES), plan.Parallel(), True),
+    "gpt_oss": (lambda: _deep("gpt_oss", num_hidden_layers=10, layer_types=None, hidden_size=64), plan.Parallel(), True),
+    "qwen3_moe": (lambda: _deep("qwen3_moe", num_hidden_layers=5, mlp_only_layers=[], **SHALLOW_SIZES),
+                  plan.Parallel(), True),
+}
+
+
+@pytest.mark.parametrize("case", list(SHALLOW_CASES))
+def test_shallow_stack_gives_the_deep_stacks_bytes(case, monkeypatch):
+    """Every method's peak and host bytes from the shallow stack equal those of a step that runs every layer, and
+    the shallow stack is what ran (a window pattern, MoE blocks, kept gradients, ZeRO-2/3, offload, Ulysses)."""
+    make, parallel, in_backward = SHALLOW_CASES[case]
+    config = make()
+    planner = plan.Planner(config, "adamw-bf16", in_backward, parallel)
+    period = 2 if config.model_type in ("gemma3_text", "gpt_oss") else 1
+    assert planner.layer_period == period, planner.layer_period
+    depths = []
+    real_step = plan.Planner._step
+    monkeypatch.setattr(plan.Planner, "_step", lambda self, *a: depths.append(a[3] if len(a) > 3 else None)
+                        or real_step(self, *a))
+    for method in plan.METHODS:
+        if not plan._plannable(method, parallel) or plan.family_refusal(method, config.model_type):
+            continue
+        depths.clear()
+        shallow = planner.step_peak_bytes(method, 128), planner._host[(method, 128)]
+        assert depths == [4 * period + config.num_hidden_layers % period], (method, depths)
+        full = planner.step_peak_bytes(method, 128, shallow=False), planner._host[(method, 128)]
+        assert depths[-1] is None
+        assert shallow == full, (method, shallow, full)
+
+
+def test_shallow_stack_falls_back_to_every_layer():
+    """Unequal middle blocks: no deep sequence (every layer runs); a layer kind without period (Qwen3-MoE with a
+    dense first layer) or a stack too shallow to gain: no shallow stack at all."""
+    from transformers.mini_sequence import layer_phases
+
+    def phases(rises):
+        keys = [("prologue",), *[("forward", i) for i in range(4)], ("head",),
+                *[("backward", i) for i in reversed(range(4))], ("tail",)]
+        return [layer_phases.Phase(key, rise, 1, 0, 0) for key, rise in zip(keys, rises)]
+
+    even = phases([1, 5, 6, 6, 7, 9, 3, 4, 4, 2, 1])
+    deep = layer_phases.deepened(even, 1, 3)
+    assert [p.key for p in deep].count(("forward", 1)) == 4 and len(deep) == len(even) + 6
+    assert layer_phases.walk(deep) == (max(p.rise + n for n, p in enumerate(deep)), 0)
+    assert layer_phases.deepened(phases([1, 5, 6, 7, 7, 9, 3, 4, 4, 2, 1]), 1, 3) is None  # forward 1 != 2
+    assert layer_phases.deepened(phases([1, 5, 6, 6, 7, 9, 3, 4, 5, 2, 1]), 1, 3) is None  # backward 2 != 1
+    assert layer_phases.layer_period(["a", "b", "a", "b", "a"]) == 2
+    assert layer_phases.layer_period(["d", "s", "s", "s"]) == 4
+    assert layer_phases.shallow_depth(32, 1) == 4 and layer_phases.shallow_depth(62, 6) == 26
+    assert layer_phases.shallow_depth(4, 1) is None
+    assert plan.Planner(_deep("qwen3_moe", num_hidden_layers=7)).layer_period is None  # layer 0 dense
+    assert plan.Planner(_deep("llama", num_hidden_layers=4)).layer_period is None

@@ -31,6 +31,7 @@ class LiveTensorTracker(TorchDispatchMode):
     Attributes:
         current_bytes: bytes of tracked storages alive now.
         peak_bytes: maximum of ``current_bytes`` seen.
+        window_peak: maximum of ``current_bytes`` since a caller last set it (the planner's phases, layer_phases.py).
         largest_numel: element count of the largest newly allocated tensor.
         largest_shapes: up to ``keep_largest`` (numel, shape, op name) records, largest first.
     """
@@ -40,6 +41,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.keep_largest = keep_largest
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.window_peak = 0
         self.largest_numel = 0
         self.largest_shapes = []
         self._live = {}  # id(storage) -> (weakref to storage, nbytes)
@@ -69,6 +71,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._live[key] = (ref, nbytes)
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        self.window_peak = max(self.window_peak, self.current_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

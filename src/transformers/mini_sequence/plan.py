@@ -72,6 +72,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from ..streaming_backward import layer as streamed_layer
 from ..streaming_backward import masks as streamed_masks
 from ..streaming_backward import offload as streamed_offload
+from . import layer_phases
 from .config import validate_streaming_backward_chunk
 from .memory import LiveTensorTracker
 from .families import streaming_model_types
@@ -187,21 +188,24 @@ class _FlashLikeAttention(torch.autograd.Function):
     (planning runs on fake tensors); only the allocations matter."""
 
     @staticmethod
-    def forward(ctx, query, key, value):
+    def forward(ctx, query, key, value, sinks):
         out = torch.empty_like(query)
         logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(query, key, value, out, logsumexp)
+        ctx.sinks = sinks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, _, _ = ctx.saved_tensors
-        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        sinks_grad = None if ctx.sinks is None else torch.empty_like(ctx.sinks)
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), sinks_grad
 
 
-def _flash_like_attention(module, query, key, value, attention_mask, **kwargs):
-    # query [B, H, S, D], key/value [B, H_kv, S, D]; HF attention functions return [B, S, H, D].
-    return _FlashLikeAttention.apply(query, key, value).transpose(1, 2).contiguous(), None
+def _flash_like_attention(module, query, key, value, attention_mask, s_aux=None, **kwargs):
+    # query [B, H, S, D], key/value [B, H_kv, S, D]; HF attention functions return [B, S, H, D]. GPT-OSS passes its
+    # attention sinks [H] as s_aux: a kernel with sinks returns their gradient too (the streamed layer checks it).
+    return _FlashLikeAttention.apply(query, key, value, s_aux).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION, _flash_like_attention)
@@ -364,6 +368,12 @@ class _StepHooks:
         self.gathered_backward = (None, None)  # ZeRO-3: (module, full parameters) of the module in backward
         self.host_bytes = 0  # layer inputs in host memory now
         self.host_peak_bytes = 0
+        self.host_window_peak = 0  # since the current phase began (layer_phases.py)
+
+    def add_host(self, nbytes):
+        self.host_bytes += nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        self.host_window_peak = max(self.host_window_peak, self.host_bytes)
 
     def shard_gradient(self, param):
         # ZeRO-2/3: the full gradient is reduce-scattered and freed; this rank keeps its partition.
@@ -386,13 +396,12 @@ class _StepHooks:
     def save(self, x):
         nbytes = x.numel() * x.element_size()
         saved = _HostCopy(x.shape, x.dtype)
-        self.host_bytes += nbytes
-        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        self.add_host(nbytes)
         weakref.finalize(saved, self._free_host, nbytes)
         return saved
 
     def _free_host(self, nbytes):
-        self.host_bytes -= nbytes
+        self.add_host(-nbytes)
 
     def load(self, saved, start, end, device):
         return torch.empty((saved.shape[0], end - start, *saved.shape[2:]), dtype=saved.dtype, device=device)
@@ -440,8 +449,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     def forward(ctx, hooks, run, hidden):
         ctx.hooks, ctx.run, ctx.meta = hooks, run, (hidden.shape, hidden.dtype)
         ctx.nbytes = hidden.numel() * hidden.element_size()
-        hooks.host_bytes += ctx.nbytes
-        hooks.host_peak_bytes = max(hooks.host_peak_bytes, hooks.host_bytes)
+        hooks.add_host(ctx.nbytes)
         return run(hidden)
 
     @staticmethod
@@ -449,7 +457,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         shape, dtype = ctx.meta
         hidden = grad.new_empty(shape, dtype=dtype).requires_grad_()  # copied back from the host
         prefetch = grad.new_empty(shape, dtype=dtype)  # noqa: F841  (the previous layer's input, in flight)
-        ctx.hooks.host_bytes -= ctx.nbytes
+        ctx.hooks.add_host(-ctx.nbytes)
         with torch.enable_grad():
             out = ctx.run(hidden)
         torch.autograd.backward(out, grad)
@@ -504,7 +512,9 @@ class Planner:
         self.optimizer = optimizer
         self.optimizer_in_backward = optimizer_in_backward
         with FakeTensorMode():
-            self.num_params = sum(p.numel() for p in self._build(METHODS["vanilla"])[0].parameters())
+            model = self._build(METHODS["vanilla"])[0]
+            self.num_params = sum(p.numel() for p in model.parameters())
+            self.layer_period = self._layer_period(model)
         # Weights (bf16) and optimizer states exist before a step; gradients are counted in it.
         # Per GPU: ZeRO-1 keeps 1/N of the optimizer states, ZeRO-3 also 1/N of the weights (its
         # gathered working set is measured in the step, as are gradients: ZeRO-2/3 shard them there).
@@ -517,12 +527,33 @@ class Planner:
         self.gradient_bytes = 0 if optimizer_in_backward else 2 * (
             math.ceil(self.num_params / n) if parallel.zero >= 2 else self.num_params)
 
-    def _build(self, method: Method):
+    def _layer_period(self, model):
+        """The period of the stack's layer kinds, if a shallower stack of them can stand in for it (layer_phases.py:
+        the same layers in the same order, the hooks' modules present); else None (every step runs every layer)."""
+        stack = _decoder_stack(model)
+        if stack is None:
+            return None
+        signatures = _layer_signatures(model.config, stack[0])
+        period = layer_phases.layer_period(signatures)
+        shallow = layer_phases.shallow_depth(len(signatures), period)
+        if shallow is None:
+            return None
+        shallow_stack = _decoder_stack(self._build(METHODS["vanilla"], shallow)[0])
+        if shallow_stack is None or _layer_signatures(model.config, shallow_stack[0]) != signatures[:shallow]:
+            return None
+        return period
+
+    def _build(self, method: Method, depth=None):
+        """The model `method` trains, with `depth` decoder layers instead of the config's if given (the same
+        layer kinds in the same order: `layer_types` cut to it)."""
         # use_cache=False: training keeps no KV cache (checkpointing would turn it off with a warning).
-        config = self.config.__class__(**{**self.config.to_dict(), "mini_sequence_chunk": method.mini_sequence_chunk,
-                                          "streaming_backward_chunk": None if method.streaming_backward_chunk is None
-                                          else self.streaming_chunk,
-                                          "use_cache": False})
+        overrides = {"mini_sequence_chunk": method.mini_sequence_chunk, "use_cache": False,
+                     "streaming_backward_chunk": None if method.streaming_backward_chunk is None else self.streaming_chunk}
+        if depth is not None:
+            overrides["num_hidden_layers"] = depth
+            if getattr(self.config, "layer_types", None) is not None:
+                overrides["layer_types"] = list(self.config.layer_types[:depth])
+        config = self.config.__class__(**{**self.config.to_dict(), **overrides})
         config._attn_implementation = _attention_name(self.parallel.sp)
         # bf16 whatever dtype the config.json names (from_config would otherwise follow config.dtype).
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -555,21 +586,41 @@ class Planner:
                 layer._gradient_checkpointing_func = functools.partial(_offloaded_checkpoint, hooks)
         return model, hooks
 
-    def step_peak_bytes(self, method, seq_len, fake=True):
+    def step_peak_bytes(self, method, seq_len, fake=True, shallow=True):
         """Peak live bytes allocated on one GPU by one forward + backward at `seq_len` tokens (the
         rank runs seq_len / sp of them; fake tensors unless fake=False, which runs the same step
-        for real: the tests compare the two)."""
+        for real: the tests compare the two). With `shallow` (fake steps only), a stack of a few
+        layers is run and the full stack's phases are walked from its own (layer_phases.py: the
+        same bytes; the tests compare the two); without, every layer runs."""
         check_methods([method], self.parallel)
         refusal = family_refusal(method, self.config.model_type)
         if refusal:
             raise PlanError(f"{method}: not planned: {refusal}")
+        depth = self.config.num_hidden_layers
+        if shallow and fake and self.layer_period is not None:
+            period = self.layer_period
+            shallow_depth = layer_phases.shallow_depth(depth, period)
+            phases = self._step(method, seq_len, fake, shallow_depth)[2]
+            deep = layer_phases.deepened(phases, period, (depth - shallow_depth) // period)
+            if deep is not None:
+                peak, self._host[(method, seq_len)] = layer_phases.walk(deep)
+                return peak
+        peak, self._host[(method, seq_len)], _ = self._step(method, seq_len, fake)
+        return peak
+
+    def _step(self, method, seq_len, fake, depth=None):
+        """(peak bytes, peak host bytes, the phases when `depth` is given) of one step (step_peak_bytes)."""
         with FakeTensorMode() if fake else contextlib.nullcontext():
-            model, hooks = self._build(METHODS[method])
+            model, hooks = self._build(METHODS[method], depth)
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
             with LiveTensorTracker(keep_largest=0) as tracker, streamed_offload.use_host_storage(hooks):
+                recorder = None if depth is None else layer_phases.PhaseRecorder(tracker, hooks, *_decoder_stack(model))
                 model(input_ids=ids, labels=ids).loss.backward()
-        self._host[(method, seq_len)] = hooks.host_peak_bytes
-        return tracker.peak_bytes
+                phases = None if recorder is None else recorder.finish()
+        if phases is not None and layer_phases.walk(phases) != (tracker.peak_bytes, hooks.host_peak_bytes):
+            raise RuntimeError(f"planner: the phases of a {depth}-layer step do not add up to its peak "
+                               f"({layer_phases.walk(phases)} != {(tracker.peak_bytes, hooks.host_peak_bytes)})")
+        return tracker.peak_bytes, hooks.host_peak_bytes, phases
 
     def peak_bytes(self, method, seq_len):
         """Resident bytes + the step's peak at `seq_len` (memoized: each new value is a fake step)."""
@@ -592,6 +643,24 @@ class Planner:
         whose peak fits; 0 if not even one fits."""
         return search_max_fitting(lambda s: self.peak_bytes(method, s), budget_bytes, granularity,
                                   limit * self.parallel.sp)
+
+
+def _decoder_stack(model):
+    """(decoder layers, final norm) of a causal LM, or None where they are not where the families keep them."""
+    decoder = getattr(model, "model", None)
+    layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not isinstance(norm, torch.nn.Module) or not len(layers):
+        return None
+    return layers, norm
+
+
+def _layer_signatures(config, layers):
+    """What makes two decoder layers alike for the planner: their class, their submodules' classes (a dense MLP or
+    a MoE block), their entry in `layer_types` (sliding or full attention) and their attention's window."""
+    layer_types = getattr(config, "layer_types", None) or [None] * len(layers)
+    return [(type(layer).__name__, tuple((name, type(child).__name__) for name, child in layer.named_children()),
+             layer_types[index], getattr(getattr(layer, "self_attn", None), "sliding_window", None))
+            for index, layer in enumerate(layers)]
 
 
 def search_max_fitting(peak, budget, granularity, limit):
