@@ -50,7 +50,7 @@ class LiveTensorTracker(TorchDispatchMode):
         if self._live.pop(key, None) is not None:
             self.current_bytes -= nbytes
 
-    def _track(self, tensor: torch.Tensor, op_name: str):
+    def _track(self, tensor: torch.Tensor, func):
         storage = tensor.untyped_storage()
         key = id(storage)
         entry = self._live.get(key)
@@ -62,7 +62,7 @@ class LiveTensorTracker(TorchDispatchMode):
         if self.keep_largest and (
             len(self.largest_shapes) < self.keep_largest or numel > self.largest_shapes[-1][0]
         ):
-            self.largest_shapes.append((numel, tuple(tensor.shape), op_name))
+            self.largest_shapes.append((numel, tuple(tensor.shape), str(func)))
             self.largest_shapes.sort(key=lambda r: r[0], reverse=True)
             del self.largest_shapes[self.keep_largest :]
         # The callback runs when the storage's Python object dies, i.e. when the last tensor
@@ -70,30 +70,49 @@ class LiveTensorTracker(TorchDispatchMode):
         ref = weakref.ref(storage, lambda r, k=key, n=nbytes: self._on_free(k, n, r))
         self._live[key] = (ref, nbytes)
         self.current_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        self.window_peak = max(self.window_peak, self.current_bytes)
+        if self.current_bytes > self.window_peak:
+            self.window_peak = self.current_bytes
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        custom_op = _maybe_get_opdef(func)
-        if custom_op is not None:
+        kind = _OP_KINDS.get(func)
+        if kind is None:
+            kind = _OP_KINDS[func] = _op_kind(func)
+        if kind is _CUSTOM:
             # A `torch.library.custom_op` is one call to a dispatch mode: the temporaries of its Python body would
             # not be seen (torch's chunked F.linear_cross_entropy is one; its [chunk, V] logits went uncounted, the
             # LM-head anchors in docs/measurements.md). Run the body here, under this mode: every tensor it
             # allocates, the outputs included, is tracked.
             with self:
-                return custom_op._init_fn(*args, **kwargs)
+                return _maybe_get_opdef(func)._init_fn(*args, **kwargs)
         out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and kind is _FRESH:  # the common case, without flattening
+            self._track(out, func)
+            return out
         # In-place / out= ops return an existing tensor: it is only new if its storage is new.
         known_inputs = set()
-        if func._schema.is_mutable or any(a.alias_info is not None for a in func._schema.returns):
+        if kind is _ALIASING:
             for a in tree_flatten((args, kwargs))[0]:
                 if isinstance(a, torch.Tensor):
                     known_inputs.add(id(a.untyped_storage()))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in known_inputs:
-                self._track(t, str(func))
+                self._track(t, func)
         return out
+
+
+# What the tracker needs to know of an operator, looked up once per operator (the planner dispatches ~10^5 calls a step).
+_CUSTOM, _ALIASING, _FRESH = "custom", "aliasing", "fresh"
+_OP_KINDS = {}
+
+
+def _op_kind(func):
+    if _maybe_get_opdef(func) is not None:
+        return _CUSTOM
+    if func._schema.is_mutable or any(a.alias_info is not None for a in func._schema.returns):
+        return _ALIASING  # in-place, out= or a view: its output may be an input's storage
+    return _FRESH
 
 
 def resident_training_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
