@@ -84,6 +84,18 @@ def test_search_is_exact_on_piecewise_linear_peaks(granularity):
         assert got == want and len(calls) <= 12, (got, want, len(calls))
 
 
+def test_search_extrapolates_at_most_4x_beyond_what_it_measured():
+    """Flat at short lengths, then steep (kept gradients dominate the peak until the LM head's logits do: Qwen3-8B
+    with `--optimizer none`): the secant through the flat stretch points millions of tokens out. The search never
+    asks for more than 4x the longest length it has measured, and still finds the answer."""
+    peak_fn = lambda s: 30.0 + 1e-6 * s + (0.002 * (s - 8192) if s > 8192 else 0.0)  # noqa: E731
+    asked = []
+    got = plan.search_max_fitting(lambda s: asked.append(s) or peak_fn(s), 80.0, 1024, 1 << 22)
+    want = max(s for s in range(1024, 1 << 16, 1024) if peak_fn(s) <= 80.0)
+    assert got == want, (got, want)
+    assert all(s <= 4 * max(asked[:n]) for n, s in enumerate(asked) if n), asked
+
+
 def run_main(capsys, *args):
     """`plan.main(args)` in-process (a subprocess per call would spend seconds importing): exit code, stdout, stderr."""
     try:

@@ -12,7 +12,9 @@ mini_sequence+streaming) it runs one training step (forward + backward) of the f
 CPU device (tensors have shapes and dtypes but no memory; a fake `cuda` device crashes the
 CPU build of torch, so fake CPU stands in for the GPU), measures the peak of live tensor bytes
 with `LiveTensorTracker`, adds the resident weights and optimizer states, and searches the
-largest sequence length (a multiple of --granularity) whose peak fits in the GPU memory.
+largest sequence length (a multiple of --granularity) whose peak fits in the GPU memory. The step runs a
+shallow stack of the model's decoder layers, from whose phases the full depth's peak follows to the byte
+(layer_phases.py).
 With several GPUs it runs the step of one rank (its share of the tokens and heads, ZeRO's
 sharded states and gathered parameters, offloaded tensors moved out) and reports that GPU's
 peak and the host memory the rank's offloaded tensors take.
@@ -670,7 +672,8 @@ def search_max_fitting(peak, budget, granularity, limit):
     The peak is piecewise linear in S (no S x S tensor; the LM-head chunk policy adds a kink), so a
     secant search finds the boundary in a few calls: extrapolate through the last two measured
     points until one does not fit, then interpolate between the ends of the bracket
-    [fits, does not fit], with a bisection step whenever an interpolation did not halve it.
+    [fits, does not fit], with a bisection step whenever an interpolation did not halve it. An extrapolation
+    goes at most 4x beyond the longest length measured.
     The answer rests only on measured values of peak, never on an extrapolated one.
     """
     g = granularity
@@ -701,6 +704,11 @@ def search_max_fitting(peak, budget, granularity, limit):
             guess = 2 * lo
         else:
             guess = int(a + (budget - peak(a)) / slope) // g * g
+            if hi is None:
+                # At most 4x the longest length measured: at short lengths a flat stretch (the kept gradients
+                # dominate the peak until the LM head's logits do) would send the secant millions of tokens out,
+                # to a fake step that takes minutes.
+                guess = min(guess, 4 * s)
         upper = limit if hi is None else hi - g
         prev, s = s, min(max(guess, lo + g), upper)
 
