@@ -39,6 +39,20 @@ def test_fake_peak_equals_real_peak_on_the_generic_streamed_layer(method):
     assert abs(fake - real) <= 0.02 * real, (fake, real)
 
 
+def test_importing_the_planner_registers_nothing():
+    """The planner's stand-in attention reaches upstream's interfaces and the streamed layers' bottom-right set
+    only when a plan is built, not on import."""
+    code = ("from transformers import AttentionInterface; from transformers.streaming_backward import masks; "
+            "import transformers.mini_sequence.plan as plan; "
+            "assert not any(n.startswith(plan.ATTENTION) for n in AttentionInterface._global_mapping); "
+            "assert not any(n.startswith(plan.ATTENTION) for n in masks.BOTTOM_RIGHT_CAUSAL_ATTENTION); "
+            "plan.Planner(plan.load_config('llama3-8b'), optimizer='none'); "
+            "assert plan.ATTENTION in AttentionInterface._global_mapping; "
+            "assert plan.ATTENTION in masks.BOTTOM_RIGHT_CAUSAL_ATTENTION; print('ok')")
+    result = run_py(["-c", code], check=True)
+    assert result.stdout.strip().endswith("ok"), result.stdout
+
+
 def test_config_dtype_does_not_change_the_plan():
     """A config.json naming float32 is still planned in bf16 (weights and activations)."""
     fp32 = plan.Planner(transformers.LlamaConfig(**TINY, dtype="float32"))
@@ -178,7 +192,7 @@ def _reference_single_gpu_peak(method, seq_len, optimizer_bytes):
     with FakeTensorMode():
         config = transformers.LlamaConfig(**TINY, mini_sequence_chunk=chunk, streaming_backward_chunk=streaming,
                                           use_cache=False)
-        config._attn_implementation = plan.ATTENTION
+        config._attn_implementation = plan._attention_name(1)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
         if checkpointing:
             model.activation_checkpointing_enable()

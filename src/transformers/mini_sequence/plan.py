@@ -211,10 +211,6 @@ def _flash_like_attention(module, query, key, value, attention_mask, s_aux=None,
     return _FlashLikeAttention.apply(query, key, value, s_aux).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTENTION, _flash_like_attention)
-AttentionMaskInterface.register(ATTENTION, flash_attention_mask)  # no mask tensor without padding
-# Streamed layers call it per query chunk with mask=None, as FlashAttention (bottom-right causal) is called.
-streamed_masks.BOTTOM_RIGHT_CAUSAL_ATTENTION.add(ATTENTION)
 
 
 def _send_buffer(tensor):
@@ -270,13 +266,15 @@ def _ulysses_attention(module, query, key, value, attention_mask, sp, **kwargs):
 
 
 def _attention_name(sp):
-    """The planner's attention for sequence-parallel degree `sp` (registered on first use)."""
-    if sp == 1:
-        return ATTENTION
-    name = f"{ATTENTION}_ulysses{sp}"
+    """The planner's attention for sequence-parallel degree `sp`, registered with upstream's attention and mask
+    interfaces on first use (importing the planner registers nothing)."""
+    name = ATTENTION if sp == 1 else f"{ATTENTION}_ulysses{sp}"
     if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, functools.partial(_ulysses_attention, sp=sp))
-        AttentionMaskInterface.register(name, flash_attention_mask)
+        attention = _flash_like_attention if sp == 1 else functools.partial(_ulysses_attention, sp=sp)
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, flash_attention_mask)  # no mask tensor without padding
+        # Streamed layers call it per query chunk with mask=None, as FlashAttention (bottom-right causal) is called.
+        streamed_masks.BOTTOM_RIGHT_CAUSAL_ATTENTION.add(name)
     return name
 
 
