@@ -61,6 +61,18 @@ FAMILIES = {
     # Gemma-2 has no SDPA path upstream (softcapped attention) and flex attention has no CPU
     # backward: on CPU it runs eager attention, whose [heads, S, S] scores are in its peak.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 64}),
+    # The newer families (`families` sweep): q/k norms, fused projections, windows, MoE blocks (8 experts, top 2).
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
+    # Their default pad/eos ids (32000, 50279) are outside BASE's vocabulary.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"eos_token_id": 2}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 64, "sliding_window": 512}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                                        "sliding_window": None}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                                                           "moe_intermediate_size": 256}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                                      "sliding_window": 512}),
 }
 # Llama-style small config: big vocabulary and MLP relative to d, as in real models.
 BASE = dict(hidden_size=256, intermediate_size=1024, vocab_size=32000, num_hidden_layers=2,
