@@ -173,7 +173,7 @@ def test_function_given_too_few_parameters_raises_instead_of_dropping():
     mlp = make_mlp()
     x = torch.randn(1, S, D, requires_grad=True)
     params = list(mlp.parameters())[:-1]  # down_proj.weight left out
-    out = _MiniSequenceMLPFunction.apply(x, 7, module_forward, mlp, *params)
+    out = _MiniSequenceMLPFunction.apply(x, 7, module_forward, mlp, True, *params)
     with pytest.raises(RuntimeError, match="would be lost"):
         out.sum().backward()
 

@@ -5,6 +5,7 @@
 - `computes_loss(model, labels)` / `causal_lm_output(...)`: from `*ForCausalLM.forward`, to compute
   the LM head + causal-LM loss chunk by chunk instead of materializing [B, S, V] logits
   (`causal_lm_loss(...)` for the MoE heads, which add their auxiliary loss to it).
+- `mlp_then_norm(mlp, norm, x)`: from the decoder layers with a post-feedforward norm (Gemma-2, Gemma-3, OLMo-2).
 - `moe_forward(block, x)`: from the sparse MoE blocks' `forward` (Mixtral, Qwen3-MoE, GPT-OSS), as `mlp_forward`.
 """
 
@@ -13,7 +14,7 @@ from ..modeling_outputs import CausalLMOutputWithPast
 from ..utils import logging
 from .config import lm_head_chunk_size, mlp_chunk_size
 from .loss import mini_sequence_causal_lm_loss
-from .mlp import mini_sequence_mlp, mini_sequence_norm
+from .mlp import mini_sequence_mlp, mini_sequence_mlp_then_norm, mini_sequence_norm
 from .moe import mini_sequence_moe
 
 
@@ -44,6 +45,19 @@ def mlp_forward(mlp, hidden_states):
     if hidden_states.shape[-2] <= chunk_size:
         return None
     return mini_sequence_mlp(mlp, hidden_states, chunk_size)
+
+
+def mlp_then_norm(mlp, norm, hidden_states):
+    """`norm(mlp(hidden_states))`, for the decoder layers that normalize the MLP's output (Gemma-2, Gemma-3, OLMo-2:
+    `post_feedforward_layernorm`), patched in for upstream's two lines `hidden_states = self.mlp(hidden_states)`,
+    `hidden_states = self.post_feedforward_layernorm(hidden_states)`, which is what runs when the flag is unset.
+    With `mini_sequence_chunk` set the two run together one mini-sequence at a time (mlp.py's
+    `mini_sequence_mlp_then_norm`: under checkpointing the MLP then runs twice a step, not three times)."""
+    config = mlp.config
+    if not enabled(config):
+        return norm(mlp(hidden_states))
+    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
+    return mini_sequence_mlp_then_norm(mlp, norm, hidden_states, chunk_size)
 
 
 def moe_forward(block, hidden_states):

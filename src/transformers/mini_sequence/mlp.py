@@ -12,12 +12,13 @@ import torch
 
 
 from ._state import (
-    accumulate_grads,
     capture_autocast_state,
     capture_rng_state,
     restore_autocast_state,
     restore_rng_state,
+    summed_as_computed,
 )
+from .support import foreign_forward
 from .wrappers import (
     check_graph_inputs,
     checkpointed_chunks,
@@ -43,19 +44,45 @@ def _chunk_bounds(seq_len: int, chunk_size: int):
     return [(start, min(start + chunk_size, seq_len)) for start in range(0, seq_len, chunk_size)]
 
 
+def _positions(output: torch.Tensor, batch_shape: torch.Size) -> torch.Tensor:
+    """`output` as [..., positions, *] along the input's sequence axis. The first output of a chunked forward already
+    is (the hidden states); any further ones are token-major rows [batch * positions, *] (an MoE block's router scores
+    and logits, flattened in (batch, position) order), viewed here as [*batch, positions, *]."""
+    return output.view(*batch_shape, -1, *output.shape[1:])
+
+
+def _as_outputs(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
 def _forward_chunks(forward_fn, mlp, x, chunk_size):
-    """Run ``forward_fn`` chunk by chunk, writing into one preallocated output (a ``cat`` would
-    briefly hold the chunks and the result together)."""
-    seq_len = x.shape[-2]
-    out = None
+    """Run ``forward_fn`` chunk by chunk, writing into preallocated outputs (a ``cat`` would briefly hold the chunks
+    and the result together). ``forward_fn`` returns one tensor [..., C, *] or a tuple whose first tensor is that and
+    whose others are token-major [batch * C, *] (`_positions`); so does this, for the whole sequence."""
+    seq_len, batch_shape = x.shape[-2], x.shape[:-2]
+    outs = None
     for start, end in _chunk_bounds(seq_len, chunk_size):
-        chunk_out = forward_fn(mlp, x[..., start:end, :])
-        if out is None:
+        chunk_outs = _as_outputs(forward_fn(mlp, x[..., start:end, :]))
+        if outs is None:
             # Allocated after the first chunk: under autocast the output dtype differs from x.
-            out = chunk_out.new_empty(x.shape[:-2] + (seq_len,) + chunk_out.shape[-1:])
-        out[..., start:end, :].copy_(chunk_out)
-        del chunk_out  # only one chunk's intermediates alive at a time
-    return out
+            outs = [chunk_outs[0].new_empty(batch_shape + (seq_len,) + chunk_outs[0].shape[-1:])]
+            outs += [o.new_empty((batch_shape.numel() * seq_len,) + o.shape[1:]) for o in chunk_outs[1:]]
+        for i, (whole, part) in enumerate(zip(outs, chunk_outs)):
+            if i == 0:
+                whole[..., start:end, :].copy_(part)
+            else:
+                _positions(whole, batch_shape).narrow(len(batch_shape), start, end - start).copy_(
+                    _positions(part, batch_shape))
+        del chunk_outs  # only one chunk's intermediates alive at a time
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _chunk_grad(grad: torch.Tensor, index: int, batch_shape: torch.Size, start: int, end: int) -> torch.Tensor:
+    """The part of output ``index``'s gradient that belongs to positions start:end, shaped as the chunk's output."""
+    if index == 0:
+        return grad[..., start:end, :]
+    part = _positions(grad, batch_shape).narrow(len(batch_shape), start, end - start)
+    return part.reshape(-1, *grad.shape[1:])
 
 
 class _SavedInput(torch.autograd.Function):
@@ -82,12 +109,14 @@ class _SavedInput(torch.autograd.Function):
 
 
 class _MiniSequenceMLPFunction(torch.autograd.Function):
-    """Inputs: x [..., S, d] (the output of `_SavedInput`, which holds it for backward, if it requires grad), the MLP's
-    parameters that require grad (as ``*params`` so that autograd routes their gradients through this
+    """Inputs: x [..., S, d] (the output of `_SavedInput`, which holds it for backward, if it requires grad), the chunk
+    size, ``forward_fn(mlp, chunk)`` (one tensor, or a tuple: `_forward_chunks`), whether to sum half-precision
+    parameter gradients in fp32 (`accumulate_grads`), the MLP's parameters that require grad (as ``*params`` so that autograd routes their gradients through this
     Function: hooks of DDP/FSDP/DeepSpeed then fire once per parameter, and non-leaf parameters work)."""
 
     @staticmethod
-    def forward(ctx, x, chunk_size, forward_fn, mlp, *params):
+    def forward(ctx, x, chunk_size, forward_fn, mlp, fp32_sums, *params):
+        ctx.set_materialize_grads(False)  # an output nothing used (GPT-OSS's router scores) gets None, not zeros
         if isinstance(x.grad_fn, _SavedInput._backward_cls):
             ctx.input_node = x.grad_fn  # `_SavedInput`'s node: it holds x
         else:  # a frozen input (only parameters train), or a caller without `_SavedInput`: hold x here
@@ -98,6 +127,7 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
         ctx.rng_state = capture_rng_state(x.device)
         out = _forward_chunks(forward_fn, mlp, x, chunk_size)
         ctx.chunk_size = chunk_size
+        ctx.fp32_sums = fp32_sums
         ctx.forward_fn = forward_fn
         ctx.mlp = mlp
         # Only x is kept, by `_SavedInput` (through saved-tensor hooks, e.g. activation checkpointing).
@@ -107,14 +137,18 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        where = f"mini-sequence {type(ctx.mlp).__name__}"
+    def backward(ctx, *grad_outs):
+        modules = ctx.mlp if isinstance(ctx.mlp, tuple) else (ctx.mlp,)
+        where = f"mini-sequence {' + '.join(type(m).__name__ for m in modules)}"
         refuse_create_graph(where)
         (x,) = ctx.input_node.saved_tensors
         params = ctx.params
         needs_x = ctx.needs_input_grad[0]
-        needs_param = ctx.needs_input_grad[4:]
+        needs_param = ctx.needs_input_grad[5:]
         wanted_params = [p for p, need in zip(params, needs_param) if need]
+        used = [i for i, grad in enumerate(grad_outs) if grad is not None]
+        if not used:  # nothing downstream used any output
+            return (None,) * (5 + len(params))
         grad_x = torch.empty_like(x) if needs_x else None
         # Parameter gradients are accumulated over chunks. For fp16/bf16 parameters the sum is
         # kept in fp32 and rounded once at the end: the unsplit matmul also accumulates in fp32
@@ -124,31 +158,34 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
         # 5.5-5.6e-3, chunked with bf16 accumulator 8.7-8.8e-3. The fp32 buffer costs
         # 2x the (half) parameter size, only while this layer's backward runs.
         acc = [None] * len(wanted_params)
+        batch_shape = x.shape[:-2]
 
         with torch.enable_grad(), restore_rng_state(ctx.rng_state, x.device), restore_autocast_state(
             ctx.autocast_state
-        ):
+        ), summed_as_computed(acc, wanted_params, ctx.fp32_sums):
             for start, end in _chunk_bounds(x.shape[-2], ctx.chunk_size):
                 x_chunk = x[..., start:end, :].detach().requires_grad_(needs_x)
-                chunk_out = ctx.forward_fn(ctx.mlp, x_chunk)
+                chunk_outs = _as_outputs(ctx.forward_fn(ctx.mlp, x_chunk))
                 inputs = ([x_chunk] if needs_x else []) + wanted_params
                 if start == 0:
-                    check_graph_inputs(chunk_out, [x_chunk, *params], where)
+                    for i in used:
+                        check_graph_inputs(chunk_outs[i], [x_chunk, *params], where)
                 grads = torch.autograd.grad(
-                    chunk_out, inputs, grad_out[..., start:end, :], allow_unused=True
+                    [chunk_outs[i] for i in used],
+                    inputs,
+                    [_chunk_grad(grad_outs[i], i, batch_shape, start, end) for i in used],
+                    allow_unused=True,
                 )
-                require_gradients(grads, inputs, where)
-                del chunk_out  # frees this chunk's graph before the next one is built
+                require_gradients(grads, inputs, where)  # the parameters' are zeros: their sums are in `acc`
+                del chunk_outs  # frees this chunk's graph before the next one is built
                 if needs_x:
                     grad_x[..., start:end, :].copy_(grads[0])
-                    grads = grads[1:]
-                accumulate_grads(acc, grads)
 
         param_grads = iter(
             None if a is None else a.to(p.dtype) for a, p in zip(acc, wanted_params)
         )
         grads_all = [next(param_grads) if need else None for need in needs_param]
-        return (grad_x, None, None, None, *grads_all)
+        return (grad_x, None, None, None, None, *grads_all)
 
 
 def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward_fn=module_forward):
@@ -171,10 +208,38 @@ def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward
         # autograd see each chunk's real forward (wrappers.py explains why).
         chunks = checkpointed_chunks(lambda chunk, start, end: forward_fn(mlp, chunk), hidden_states, chunk_size)
         return torch.cat(chunks, dim=-2)
+    return chunked_function(forward_fn, mlp, hidden_states, chunk_size, params)
+
+
+def chunked_function(forward_fn, module, hidden_states, chunk_size, params, fp32_sums=True):
+    """`forward_fn(module, hidden_states)` through `_MiniSequenceMLPFunction`, which takes `params` as inputs and sums
+    their half-precision gradients over the chunks in fp32 unless `fp32_sums=False` (`accumulate_grads`)."""
     if not (hidden_states.requires_grad or params):
-        return _forward_chunks(forward_fn, mlp, hidden_states, chunk_size)  # frozen: nothing to keep
+        return _forward_chunks(forward_fn, module, hidden_states, chunk_size)  # frozen: nothing to keep
     x = _SavedInput.apply(hidden_states) if hidden_states.requires_grad else hidden_states
-    return _MiniSequenceMLPFunction.apply(x, chunk_size, forward_fn, mlp, *params)
+    return _MiniSequenceMLPFunction.apply(x, chunk_size, forward_fn, module, fp32_sums, *params)
+
+
+def _mlp_then_norm(mlp_and_norm, x):
+    mlp, norm = mlp_and_norm
+    return norm(module_forward(mlp, x))
+
+
+def mini_sequence_mlp_then_norm(mlp, norm, hidden_states: torch.Tensor, chunk_size: int):
+    """`norm(mlp(hidden_states))` [..., S, d], both one mini-sequence at a time through one Function, for the decoder
+    layers that normalize the MLP's output (Gemma-2, Gemma-3, OLMo-2: `post_feedforward_layernorm`).
+
+    Why together: the norm saves its input, the MLP's whole output. Under activation checkpointing the layer's
+    recompute then has to run the chunked MLP forward again to rebuild it, and the Function's backward rebuilds
+    every chunk once more: 3 passes a step instead of checkpointing's 2 (`_SavedInput`). Chunked together only the
+    MLP's input is saved, and the norm's fp32 intermediates exist one chunk at a time. Where the Function may not
+    take the parameters (a wrapper's or hook's module, torch.compile, a forward that is not transformers'), upstream's
+    two calls run, the MLP still by mini-sequences through its own forward."""
+    if hidden_states.shape[-2] > chunk_size and torch.is_grad_enabled():
+        mlp_params, norm_params = function_parameters(mlp), function_parameters(norm)
+        if mlp_params is not None and norm_params is not None and foreign_forward(mlp) is None:
+            return chunked_function(_mlp_then_norm, (mlp, norm), hidden_states, chunk_size, mlp_params + norm_params)
+    return norm(mlp(hidden_states))
 
 
 def _call_module(module, x):

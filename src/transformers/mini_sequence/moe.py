@@ -1,29 +1,46 @@
 """Sparse MoE blocks (Mixtral, Qwen3-MoE, GPT-OSS) by mini-sequences of tokens.
 
 Routing is token-wise (each token's top-k experts and weights depend on that token only), so running the block's
-own upstream `forward` on chunks of the sequence gives the same output and gradients. Each chunk runs under
-non-reentrant activation checkpointing (wrappers.py's `checkpointed_chunks`): only the chunk's input is kept, its
-routing and expert intermediates are rebuilt in backward one chunk at a time, and every gradient, the router's
-included, flows through ordinary autograd.
+own upstream `forward` on chunks of the sequence gives the same output and gradients. The chunks run through the
+MLP's Function (mlp.py): only the block's input is kept for backward, and each chunk's routing and expert
+intermediates are rebuilt in backward one chunk at a time. So under activation checkpointing each token goes through
+the experts twice a step, as without the flag (the layer's recompute stops before the block, see `_SavedInput`).
+Where a wrapper or hook may swap the weights (wrappers.py), each chunk runs under non-reentrant checkpointing instead
+and every gradient flows through ordinary autograd.
 
 The router logits: in 5.24 `output_router_logits=True` collects them with a forward hook on the router module
 (`_can_record_outputs = {"router_logits": OutputRecorder(...TopKRouter, index=0)}`, utils/output_capturing.py),
 which appends the hooked output to the collector of the running forward. Called per chunk, that hook would append
 one entry per chunk, flattened chunk by chunk, and `load_balancing_loss_func` (which concatenates the entries and
 lays an attention mask over them in (batch, position) order) would pair logits with the wrong mask entries. So
-while the chunks run, the router's hooks append to a collector of ours, and the block appends to the model's
-collector once: the chunks' logits (which keep their graph, for the auxiliary loss's gradient) put back in
-upstream's (batch, position) order, the tensor the unsplit block would have recorded.
+each chunk's call sets a collector of its own and returns its router logits as one more output, and the block
+appends to the model's collector once: the logits of the whole sequence in upstream's (batch, position) order, the
+tensor the unsplit block would have recorded, with their graph (the auxiliary loss's gradient reaches the router
+through the Function's backward, which rebuilds each chunk's logits with the same collector).
 """
+
+
+import functools
 
 import torch
 
 from ..utils import output_capturing
-from .mlp import _chunk_bounds, module_forward
-from .wrappers import checkpointed_chunks
+from .mlp import _as_outputs, _forward_chunks, chunked_function, module_forward
+from .wrappers import checkpointed_chunks, function_parameters
 
 
 ROUTER_LOGITS = "router_logits"
+
+
+def _records_router_logits(hook) -> bool:
+    """Whether `hook` is upstream's output-capturing forward hook for the router logits (utils/output_capturing.py's
+    `install_output_capuring_hook(module, "router_logits", ...)`). It only appends the router's output to the running
+    forward's collector, which `_chunk_forward` sets, so it does not stop the Function path (wrappers.py)."""
+    code = getattr(hook, "__code__", None)
+    if code is None or code.co_name != "output_capturing_hook" or hook.__module__ != output_capturing.__name__:
+        return False
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
+    return cells.get("key") == ROUTER_LOGITS
 
 
 def _token_major(per_chunk: list, batch_shape: torch.Size) -> torch.Tensor:
@@ -33,24 +50,31 @@ def _token_major(per_chunk: list, batch_shape: torch.Size) -> torch.Tensor:
     return torch.cat([t.reshape(*batch_shape, -1, *tail) for t in per_chunk], dim=len(batch_shape)).reshape(-1, *tail)
 
 
-def _merged_router_logits(per_chunk: list, batch_shape: torch.Size, num_chunks: int) -> torch.Tensor:
-    """The router logits of the whole sequence, as the unsplit block's router would have returned them."""
-    if len(per_chunk) != num_chunks:
-        raise RuntimeError(
-            f"mini-sequence MoE block: expected one router output per chunk ({num_chunks}), the router's hooks "
-            f"recorded {len(per_chunk)}; unset mini_sequence_chunk for this model."
-        )
-    return _token_major(per_chunk, batch_shape)
-
-
-def _merged_outputs(chunks: list, batch_shape: torch.Size):
-    """The chunks' outputs put together: the hidden states [..., S, d] along the sequence; a block that also
-    returns per-token tensors (GPT-OSS: `(hidden_states, router_scores [tokens, top_k])`) gets those back whole,
-    in (batch, position) order."""
-    if isinstance(chunks[0], torch.Tensor):
-        return torch.cat(chunks, dim=-2)
-    first, *rest = zip(*chunks)
+def _merged_outputs(chunks: list, batch_shape: torch.Size) -> tuple:
+    """The chunks' outputs put together: the hidden states [..., S, d] along the sequence, any further per-token
+    outputs (GPT-OSS's router scores [tokens, top_k], the router logits) whole, in (batch, position) order."""
+    first, *rest = zip(*(_as_outputs(chunk) for chunk in chunks))
     return (torch.cat(first, dim=-2), *(_token_major(list(parts), batch_shape) for parts in rest))
+
+
+def _chunk_forward(recording: bool, block, chunk: torch.Tensor):
+    """The block's own forward on one chunk; while the model records router logits, with this chunk's logits as one
+    more output (the router's hook appends them to the collector set here, in forward and in the rebuild alike)."""
+    chunk = chunk.contiguous()  # the blocks flatten their input with `.view(-1, hidden)`, which a slice refuses
+    if not recording:
+        return module_forward(block, chunk)
+    token = output_capturing._active_collector.set({ROUTER_LOGITS: []})
+    try:
+        outputs = _as_outputs(module_forward(block, chunk))
+        logits = output_capturing._active_collector.get()[ROUTER_LOGITS]
+    finally:
+        output_capturing._active_collector.reset(token)
+    if len(logits) != 1:
+        raise RuntimeError(
+            f"mini-sequence {type(block).__name__}: expected one router output per chunk, the router's hooks recorded "
+            f"{len(logits)}; unset mini_sequence_chunk for this model."
+        )
+    return (*outputs, logits[0])
 
 
 def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int):
@@ -58,24 +82,18 @@ def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int):
     logits recorded once, whole (see the module docstring)."""
     collector = output_capturing._active_collector.get()
     recording = collector is not None and ROUTER_LOGITS in collector
+    forward_fn = functools.partial(_chunk_forward, recording)
+    if not torch.is_grad_enabled():
+        outputs = _as_outputs(_forward_chunks(forward_fn, block, hidden_states, chunk_size))
+    elif (params := function_parameters(block, harmless_hook=_records_router_logits)) is not None:
+        # The expert weights' gradients are summed over the chunks in their own dtype, as autograd sums them without
+        # the flag: an fp32 sum holds 2x the experts' bf16 bytes while a layer's backward runs (planner, GPT-OSS-20B,
+        # 8K tokens, mini_sequence + checkpointing: 2.55 GiB more at the step's peak).
+        outputs = _as_outputs(chunked_function(forward_fn, block, hidden_states, chunk_size, params, fp32_sums=False))
+    else:
+        chunks = checkpointed_chunks(lambda chunk, start, end: forward_fn(block, chunk), hidden_states, chunk_size)
+        outputs = _merged_outputs(chunks, hidden_states.shape[:-2])
     if recording:
-        token = output_capturing._active_collector.set({ROUTER_LOGITS: []})
-    try:
-        if torch.is_grad_enabled():
-            # contiguous: the blocks flatten their input with `.view(-1, hidden)`, which a slice of a batch refuses
-            chunks = checkpointed_chunks(
-                lambda chunk, start, end: module_forward(block, chunk.contiguous()), hidden_states, chunk_size
-            )
-        else:
-            chunks = [
-                module_forward(block, hidden_states[..., start:end, :].contiguous())
-                for start, end in _chunk_bounds(hidden_states.shape[-2], chunk_size)
-            ]
-        per_chunk = output_capturing._active_collector.get()[ROUTER_LOGITS] if recording else None
-    finally:
-        if recording:
-            output_capturing._active_collector.reset(token)
-    batch_shape = hidden_states.shape[:-2]
-    if recording:
-        collector[ROUTER_LOGITS].append(_merged_router_logits(per_chunk, batch_shape, len(chunks)))
-    return _merged_outputs(chunks, batch_shape)
+        collector[ROUTER_LOGITS].append(outputs[-1])
+        outputs = outputs[:-1]
+    return outputs[0] if len(outputs) == 1 else outputs

@@ -75,7 +75,7 @@ def check_model(model) -> None:
         )
 
 
-def _foreign_forward(module) -> str | None:
+def foreign_forward(module) -> str | None:
     """Where `module`'s forward comes from when that is not transformers (Liger-Kernel binds its own forward to
     instances, or replaces the class), else None. Wrappers that may call the original (accelerate's hooks, TRL's
     fused LM head, FSDP2's subclass, our checkpointing wrapper) name it as theirs through `functools.wraps`."""
@@ -89,7 +89,7 @@ def _foreign_forward(module) -> str | None:
 
 def _bypassed(what: str, modules) -> list[str]:
     """One line per foreign forward among `modules` (one per source: all MLPs replaced alike make one line)."""
-    sources = {_foreign_forward(module): type(module).__name__ for module in modules}
+    sources = {foreign_forward(module): type(module).__name__ for module in modules}
     return [f"{what} ({name}.forward is {where})" for where, name in sources.items() if where]
 
 

@@ -41,10 +41,11 @@ def _is_fsdp1_unit(module: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
 
 
-def _has_hooks(module: torch.nn.Module) -> bool:
+def _has_hooks(module: torch.nn.Module, harmless_hook=None) -> bool:
+    forward_hooks = [h for h in module._forward_hooks.values() if harmless_hook is None or not harmless_hook(h)]
     return _is_fsdp1_unit(module) or bool(
         module._forward_pre_hooks
-        or module._forward_hooks
+        or forward_hooks
         or module._backward_pre_hooks
         or module._backward_hooks
         or "forward" in module.__dict__  # accelerate's add_hook_to_module replaces forward
@@ -61,11 +62,12 @@ def _is_plain_parameter(param: torch.Tensor) -> bool:
     return type(param) is FakeTensor and getattr(param, "_is_param", False)
 
 
-def function_parameters(module: torch.nn.Module) -> list | None:
+def function_parameters(module: torch.nn.Module, harmless_hook=None) -> list | None:
     """The parameters of `module` that require grad, if a Function may take them as inputs; else None.
 
     None means some wrapper may change, at call time, which tensors the forward uses, or that torch.compile is
-    tracing: the caller must let autograd see the real forward (see `checkpointed_chunks`).
+    tracing: the caller must let autograd see the real forward (see `checkpointed_chunks`). A forward hook for which
+    `harmless_hook(hook)` is true does not count (moe.py: upstream's router-logits recorder, which it handles).
     """
     if _module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks:
         return None
@@ -74,7 +76,7 @@ def function_parameters(module: torch.nn.Module) -> list | None:
         # graph at every call); checkpointed chunks are traced as checkpoint regions instead.
         return None
     for sub in module.modules():
-        if _has_hooks(sub):
+        if _has_hooks(sub, harmless_hook):
             return None
         for value in vars(sub).values():
             # A weight installed as a plain attribute (FSDP1 flat-parameter views): not a parameter.
