@@ -35,11 +35,11 @@ import inspect
 import torch
 
 from ..mini_sequence._state import (
-    accumulate_grads,
     capture_autocast_state,
     capture_rng_state,
     restore_autocast_state,
     restore_rng_state,
+    summed_as_computed,
 )
 from ..mini_sequence.config import STREAMING_FIELD_NAME, streaming_chunk_size
 from ..mini_sequence.families import model_types, streaming_model_types
@@ -283,7 +283,8 @@ class StreamedLayerFunction(torch.autograd.Function):
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
         acc = [None] * len(wanted)
         device = grad_out.device
-        with restore_autocast_state(ctx.autocast_state):
+        # Each parameter gradient is added into `acc` as autograd computes it (the calls below get zeros of no storage).
+        with restore_autocast_state(ctx.autocast_state), summed_as_computed(acc, wanted):
             if ctx.keys_values is not None:
                 keys, values = ctx.keys_values
                 ctx.keys_values = None
@@ -303,15 +304,12 @@ class StreamedLayerFunction(torch.autograd.Function):
             checked = []
 
             def add_input_grads(grads, start, end):
-                """Add (input gradient of rows [start, end) if needs_x, *parameter gradients)."""
+                """Add the input gradient of rows [start, end), if needs_x (grads: it, *the parameters' zeros)."""
                 nonlocal grad_x
-                if needs_x:
-                    if grads[0] is not None:
-                        if grad_x is None:  # grows block by block as dK/dV blocks are freed
-                            grad_x = RowBlocks(streamed.chunks, blocks, grad_out, dim=1, dtype=grads[0].dtype)
-                        grad_x.add(grads[0], start, end)
-                    grads = grads[1:]
-                accumulate_grads(acc, grads)
+                if needs_x and grads[0] is not None:
+                    if grad_x is None:  # grows block by block as dK/dV blocks are freed
+                        grad_x = RowBlocks(streamed.chunks, blocks, grad_out, dim=1, dtype=grads[0].dtype)
+                    grad_x.add(grads[0], start, end)
 
             def chunk_backward(index, cache, outputs=True, own_keys_values=True):
                 """Recompute chunk `index` with graph, its attention reading the K/V buffers through `cache`.
