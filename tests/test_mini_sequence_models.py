@@ -170,6 +170,40 @@ def test_checkpointing_recomputes_the_mlp_once(family, monkeypatch):
         ("q_proj", "o_proj", "gate_proj", "down_proj"), 2.0)
 
 
+@pytest.mark.parametrize("hooked", [None, "mlp", "post_feedforward_layernorm"])
+def test_gemma2_post_norm_runs_with_the_mlp_unless_hooked(hooked, monkeypatch):
+    """Gemma-2's post-feedforward norm runs inside the MLP's chunks (it sees at most a chunk of tokens per call); a
+    forward hook on the MLP or the norm (a wrapper's, or a user's) sends the layer to upstream's two calls, where
+    the norm sees the whole sequence and the MLP still splits itself. Exact either way, with checkpointing."""
+    norm_class = type(make_model("gemma2").model.layers[0].post_feedforward_layernorm)
+    original, seen, post_norms = norm_class.forward, [], set()
+
+    def recorded(norm, x):
+        if norm in post_norms:
+            seen.append(x.shape[-2])
+        return original(norm, x)
+
+    monkeypatch.setattr(norm_class, "forward", recorded)
+    inputs = batch(13)
+    results = []
+    for chunk in (None, 7):
+        model = make_model("gemma2", mini_sequence_chunk=chunk)
+        model.gradient_checkpointing_enable()
+        post_norms.clear()
+        for layer in model.model.layers:
+            post_norms.add(layer.post_feedforward_layernorm)
+            if hooked:
+                getattr(layer, hooked).register_forward_hook(lambda module, args, output: None)
+        seen.clear()
+        results.append(train_step(model, *inputs))
+    assert max(seen) == (SEQ if hooked else 7)
+    (ref, ref_grads, ref_eg), (out, grads, eg) = results
+    assert_close(out.loss, ref.loss, what="loss")
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(eg, ref_eg, what="inputs_embeds")
+
+
 def test_tied_embeddings_exact():
     compare("llama", 7, seed=3, model_kwargs={"tie_word_embeddings": True})
 

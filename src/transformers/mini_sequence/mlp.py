@@ -45,9 +45,9 @@ def _chunk_bounds(seq_len: int, chunk_size: int):
 
 
 def _positions(output: torch.Tensor, batch_shape: torch.Size) -> torch.Tensor:
-    """`output` as [..., positions, *] along the input's sequence axis. The first output of a chunked forward already
-    is (the hidden states); any further ones are token-major rows [batch * positions, *] (an MoE block's router scores
-    and logits, flattened in (batch, position) order), viewed here as [*batch, positions, *]."""
+    """A token-major output [batch * positions, *] (an MoE block's router scores or logits, flattened in (batch,
+    position) order) viewed as [*batch, positions, *], positions along the input's sequence axis as in the first
+    output (the hidden states)."""
     return output.view(*batch_shape, -1, *output.shape[1:])
 
 
@@ -81,7 +81,7 @@ def _chunk_grad(grad: torch.Tensor, index: int, batch_shape: torch.Size, start: 
     """The part of output ``index``'s gradient that belongs to positions start:end, shaped as the chunk's output."""
     if index == 0:
         return grad[..., start:end, :]
-    part = _positions(grad, batch_shape).narrow(len(batch_shape), start, end - start)
+    part = _positions(grad.contiguous(), batch_shape).narrow(len(batch_shape), start, end - start)
     return part.reshape(-1, *grad.shape[1:])
 
 
@@ -95,8 +95,9 @@ class _SavedInput(torch.autograd.Function):
     run, so the recompute would run the whole chunked MLP forward (whose output nothing needs) before
     stopping, and the Function's backward then rebuilds every chunk once more: each token through the MLP
     3 times a step instead of checkpointing's 2. Saved by this node, before the chunked forward, the input
-    is the layer's last saved tensor, and the recompute stops before the MLP (unless a later op of the
-    layer saves the MLP's output, as Gemma-2's post-feedforward norm does)."""
+    is the layer's last saved tensor, and the recompute stops before the MLP (a later op of the layer that
+    saved the MLP's output would need it back: Gemma-2/3's and OLMo-2's post-feedforward norm, which therefore
+    runs inside the chunks, `mini_sequence_mlp_then_norm`)."""
 
     @staticmethod
     def forward(ctx, x):
