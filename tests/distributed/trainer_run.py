@@ -183,6 +183,10 @@ def main():
                 results[(family, variant)] = train(family, variant, wrapper, workdir)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_file)
+    # Both ranks leave gloo together (ulysses_train.py says why).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -150,6 +150,13 @@ def main():
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    # Without this barrier one rank could tear gloo down while the other still used it, and now and then
+    # aborted at exit ("terminate called without an active exception", exit -6, after every RESULT line was printed:
+    # seen once in a clean-clone run). mamba_sequence_run.py ends the same way.
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
