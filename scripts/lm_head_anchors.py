@@ -47,6 +47,12 @@ Threads: --threads, default 1. On this shared 2-core machine (load ~4 from other
 threads and 2.7 with 1 (about 6 for a [64, 32000] one either way), which penalizes whichever method issues more,
 smaller ops (row blocks, tiny chunks) by an artifact of the machine, not of the method.
 
+--device cuda (on a GPU): every method really runs at the full shape, d = --hidden: time = median of --repeats
+steps after one warm-up, peak = the CUDA allocator's high-water mark above the inputs and weight, errors against
+fp64 only up to --reference-tokens (default 8192); torch-lce and ALST are left out, with the reason printed,
+where torch lacks the op or deepspeed does not import. docs/cuda/README.md has runs on an H100:
+    python scripts/lm_head_anchors.py --device cuda --hidden 4096 --dtypes bf16 --tokens 8192 32768 --json F
+
 --peaks-only skips timing and exactness (the peak phase is cheap at any d: fake tensors); --ours-chunk torch
 gives ours torch's chunk size, to separate the chunk policy from the mechanism.
 
@@ -90,10 +96,12 @@ def shifted(labels):
 # --- chunk settings at the full shape -------------------------------------------------------------
 
 
-def torch_lce_chunk(tokens, hidden_size, vocab, dtype):
-    """The batch chunk size torch's default options resolve to for this shape."""
+def torch_lce_chunk(tokens, hidden_size, vocab, dtype, device="cpu"):
+    """The batch chunk size torch's default options resolve to for this shape (None: torch has no such op)."""
+    if not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        return None
     options = torch.nn.LinearCrossEntropyOptions()
-    return options._adjust(tokens, hidden_size, vocab, dtype, torch.device("cpu")).batch_chunk_size
+    return options._adjust(tokens, hidden_size, vocab, dtype, torch.device(device)).batch_chunk_size
 
 
 def alst_shards(tokens, vocab):
@@ -101,10 +109,10 @@ def alst_shards(tokens, vocab):
     return max(1, math.ceil(tokens * vocab * 4 / 2**30))
 
 
-def full_shape_chunks(tokens, hidden_size, vocab, dtype, ours_chunk="auto"):
+def full_shape_chunks(tokens, hidden_size, vocab, dtype, ours_chunk="auto", device="cpu"):
     """Tokens per chunk of each method at the full shape (upstream: all tokens). ``ours_chunk="torch"``
     gives ours torch's chunk size (a diagnostic: the chunk policy apart from the mechanism)."""
-    lce = torch_lce_chunk(tokens, hidden_size, vocab, dtype)
+    lce = torch_lce_chunk(tokens, hidden_size, vocab, dtype, device)
     return {
         "torch-lce": lce,
         "ALST": math.ceil(tokens / alst_shards(tokens, vocab)),
@@ -140,7 +148,7 @@ def run_alst(head, hidden, labels, chunk):
     value = TiledFusedLogitsLoss.apply(shard_loss, head, h, shift, None, shards, [head.weight], "sum")
     # A constant 1.0 (not autograd's ones_like): its backward compares the incoming gradient with 1.0,
     # which FakeTensorMode can only answer for a constant.
-    torch.autograd.backward(value, torch.tensor(1.0))
+    torch.autograd.backward(value, torch.tensor(1.0, device=value.device))
     grads = (h.grad, head.weight.grad)
     h.grad = head.weight.grad = None
     return (value.detach(), *grads)
@@ -167,7 +175,7 @@ def fp64_reference(head, hidden, labels, rows=256):
     h = hidden.detach().double().reshape(-1, hidden.shape[-1])
     shift = shifted(labels).reshape(-1)
     num_items = (shift != IGNORE).sum()
-    total, grad_h, grad_w = torch.zeros((), dtype=torch.float64), torch.empty_like(h), torch.zeros_like(w)
+    total, grad_h, grad_w = torch.zeros((), dtype=torch.float64, device=h.device), torch.empty_like(h), torch.zeros_like(w)
     for start in range(0, h.shape[0], rows):
         hc = h[start:start + rows].requires_grad_()
         part = ForCausalLMLoss(hc @ w.T, None, w.shape[0], num_items_in_batch=num_items,
@@ -223,6 +231,75 @@ def check_fake(check_tokens):
     return no_fake
 
 
+# --- on a GPU: every method really run at the full shape ---------------------------------------------
+
+
+def cuda_measure(method, head, hidden, labels, chunk, ref, repeats):
+    """One warm-up step (its errors against ``ref``, if given), then ``repeats`` timed steps; the peak is the
+    CUDA allocator's high-water mark over the timed steps above what was allocated before (inputs, weight)."""
+    kwargs = {"default_options": True} if method == "torch-lce" else {}
+    row = {"method": method, "chunk": chunk}
+    try:
+        out = RUNNERS[method](head, hidden, labels, chunk, **kwargs)
+        row["errors"] = None if ref is None else [rel_err(x, r) for x, r in zip(out, ref)]
+        del out
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = RUNNERS[method](head, hidden, labels, chunk, **kwargs)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            del out
+        row.update(time=statistics.median(times), times=times,
+                   peak_mib=(torch.cuda.max_memory_allocated() - base) / MIB)
+    except torch.OutOfMemoryError:
+        row["oom"] = True
+    out = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def cuda_main(args):
+    """--device cuda: each (dtype, S, V) really run on the GPU with each method's chunk at the full shape;
+    errors against an fp64 reference where S <= --reference-tokens. Rows go to --json as they come."""
+    import json
+
+    have_alst = True
+    try:
+        import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - say why the anchor is missing, measure the others
+        have_alst = False
+        print(f"ALST not measured: deepspeed not importable ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
+    if not hasattr(F, "linear_cross_entropy"):
+        print(f"torch-lce not measured: torch {torch.__version__} has no F.linear_cross_entropy", flush=True)
+    methods = [m for m in METHODS if (m != "ALST" or have_alst) and (m != "torch-lce" or hasattr(F, "linear_cross_entropy"))]
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": args.hidden, "rows": []}
+    for dname in args.dtypes:
+        dtype = DTYPES[dname]
+        for tokens in args.tokens:
+            for vocab in args.vocabs:
+                head, hidden, labels = make_inputs(tokens, args.hidden, vocab, dtype, seed=1, device="cuda")
+                ref = fp64_reference(head, hidden, labels, rows=1024) if tokens <= args.reference_tokens else None
+                chunks = full_shape_chunks(tokens, args.hidden, vocab, dtype, args.ours_chunk, device="cuda")
+                for method in methods:
+                    row = cuda_measure(method, head, hidden, labels, chunks[method], ref, args.repeats)
+                    row.update(dtype=dname, tokens=tokens, vocab=vocab)
+                    report["rows"].append(row)
+                    if args.json:
+                        Path(args.json).write_text(json.dumps(report, indent=1))
+                    errors = "" if not row.get("errors") else " errors " + " ".join(f"{e:.1e}" for e in row["errors"])
+                    print(f"{dname} S={tokens} V={vocab} {method:<9} chunk {row['chunk']}: " + (
+                        "OOM" if row.get("oom") else f"{1000 * row['time']:.1f} ms, peak {row['peak_mib']:.0f} MiB"
+                        + errors), flush=True)
+                del head, hidden, labels, ref
+                torch.cuda.empty_cache()
+    return 0
+
+
 # --- main -------------------------------------------------------------------------------------------
 
 
@@ -244,7 +321,15 @@ def main(argv=None):
     parser.add_argument("--peaks-only", action="store_true", help="no timing / exactness runs")
     parser.add_argument("--ours-chunk", choices=["auto", "torch"], default="auto",
                         help='"torch": ours with the chunk size torch\'s op picks (diagnostic)')
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: every method really run on the GPU at the full shape (time, allocator peak)")
+    parser.add_argument("--reference-tokens", type=int, default=8192,
+                        help="cuda: errors against fp64 only up to this many tokens (the reference is slow)")
+    parser.add_argument("--json", help="cuda: write the rows to this file as they come")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        warnings.filterwarnings("ignore", message=".*allow_retain_graph.*")
+        return cuda_main(args)
     if min(args.tokens + args.vocabs + [args.hidden, args.time_tokens, args.bf16_time_tokens, args.repeats,
                                         args.bf16_repeats, args.check_tokens]) < 1:
         parser.error("all sizes and repeats must be positive")

@@ -58,15 +58,15 @@ def load_module_at(rev, relpath, name):
     return module
 
 
-def make_inputs(tokens, hidden_size, vocab, dtype, seed=0):
+def make_inputs(tokens, hidden_size, vocab, dtype, seed=0, device="cpu"):
     """A bias-free head, hidden states [1, tokens, d] (both in ``dtype``, same values for every
-    dtype up to rounding) and labels with the first 10% ignored (prompt tokens)."""
-    gen = torch.Generator().manual_seed(seed)
-    head = nn.Linear(hidden_size, vocab, bias=False, dtype=dtype)
+    dtype up to rounding) and labels with the first 10% ignored (prompt tokens), drawn on ``device``."""
+    gen = torch.Generator(device).manual_seed(seed)
+    head = nn.Linear(hidden_size, vocab, bias=False, dtype=dtype, device=device)
     with torch.no_grad():
-        head.weight.copy_(torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5)
-    hidden = torch.randn(1, tokens, hidden_size, generator=gen).to(dtype)
-    labels = torch.randint(0, vocab, (1, tokens), generator=gen)
+        head.weight.copy_(torch.randn(vocab, hidden_size, generator=gen, device=device) / hidden_size**0.5)
+    hidden = torch.randn(1, tokens, hidden_size, generator=gen, device=device).to(dtype)
+    labels = torch.randint(0, vocab, (1, tokens), generator=gen, device=device)
     labels[0, : tokens // 10] = -100
     return head, hidden, labels
 
