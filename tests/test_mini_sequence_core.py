@@ -528,6 +528,36 @@ def test_loss_bf16_as_accurate_as_upstream(loss_backends):
     assert_as_accurate_as_upstream(got_grads, up_grads, ref_grads, ["hidden grad", "weight grad"])
 
 
+def test_loss_bf16_weight_grad_one_fp32_out_gemm_per_chunk(loss_backends, monkeypatch):
+    # Where the backend has `addmm(..., out_dtype=torch.float32)` (CUDA; not this CPU), a bf16 chunk's weight
+    # gradient is one GEMM into the fp32 accumulator, never a bf16 product. The kernel is stood in for by its
+    # definition (fp32 products, fp32 sums); docs/cuda/README.md has it measured on an H100.
+    real_addmm = torch.addmm
+    calls = []
+
+    def addmm(input, mat1, mat2, *, out_dtype=None, out=None, **kwargs):
+        if out_dtype is None:
+            return real_addmm(input, mat1, mat2, out=out, **kwargs)
+        assert out is input and out_dtype == out.dtype == torch.float32 and not kwargs
+        calls.append((tuple(mat1.shape), mat1.dtype))
+        return out.add_(mat1.float() @ mat2.float())
+
+    monkeypatch.setattr(torch, "addmm", addmm)
+    monkeypatch.setattr(ms_loss, "_NO_FP32_OUT_GEMM", set())
+    torch.manual_seed(28)
+    head = nn.Linear(D, V, bias=False).bfloat16()
+    hidden = torch.randn(3, S, D, dtype=torch.bfloat16, requires_grad=True)
+    labels = make_labels(3, S)
+    up_grads = torch.autograd.grad(reference_loss(hidden, head, labels), [hidden, head.weight])
+    got = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=7, vocab_size=V)
+    got_grads = torch.autograd.grad(got, [hidden, head.weight])
+    assert_only_backend(loss_backends, "own")
+    chunks = -(-3 * S // 7)
+    assert calls == [((V, 7), torch.bfloat16)] * (chunks - 1) + [((V, 3 * S - 7 * (chunks - 1)), torch.bfloat16)]
+    _, ref_grads = fp64_loss_grads(hidden, head, labels)
+    assert_as_accurate_as_upstream(got_grads, up_grads, ref_grads, ["hidden grad", "weight grad"])
+
+
 def test_loss_head_saving_its_output(loss_backends):
     # The head's last op saves its own output for backward (exp): the logits gradient then goes
     # into a buffer of its own instead of overwriting the logits.
