@@ -8,7 +8,8 @@ Four parts, each printing its numbers and writing them to <out>/cuda_check_<seqs
 1. exactness on CUDA: a small fp32 Llama, flag off vs chunks 7, 64 and "auto", batch 2 with left
    padding and ignored labels: loss and every gradient (relative error, must be <= 1e-5);
    and the same with the LM head on the CPU and the rest on the GPU (accelerate `device_map`
-   hooks: the wrapped path, labels moved to the head's device as upstream does).
+   hooks: the wrapped path, labels moved to the head's device as upstream does); and Llama-3.2-1B's
+   MLP in bf16 by mini-sequences against fp64, as accurate as upstream bf16 (`mlp_bf16_accuracy`).
 2. training steps of a ~1.2B Llama (Llama-3.2-1B shapes, bf16 weights and AdamW states in bf16,
    SDPA attention) for each method of `METHODS` (vanilla, checkpointing, mini_sequence,
    mini_sequence+checkpointing, streaming, mini_sequence+streaming, the same with offloaded layer
@@ -105,6 +106,38 @@ def exactness(device):
             results[name] = {"loss_rel_err": rel_err(loss, ref_loss), "max_grad_rel_err": worst, "missing_grads": missing}
             print(f"exactness {name:28s} loss rel err {results[name]['loss_rel_err']:.1e}  "
                   f"max grad rel err {worst:.1e}  missing grads {missing}", flush=True)
+    return results
+
+
+def mlp_bf16_accuracy(device):
+    """The mini-sequence MLP in bf16 on `device` (Llama-3.2-1B's MLP, 4096 tokens, chunks of 512): relative-norm
+    error of the output, the input gradient and each weight gradient against fp64 from the same bf16 values, next
+    to upstream bf16's (ours must be within 1.25x of it + 1e-4). On CUDA the weight gradients are summed by
+    fp32-output GEMMs (`_state.LinearWeightGradsSummed`)."""
+    import copy
+
+    from transformers.mini_sequence.mlp import mini_sequence_mlp
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        mlp16 = LlamaMLP(transformers.LlamaConfig(**MODELS["llama-1b"])).to(torch.bfloat16)
+        x16 = torch.randn(1, 4096, mlp16.hidden_size).bfloat16()
+        g16 = torch.randn_like(x16)
+    mlp64 = copy.deepcopy(mlp16).double()
+
+    def run(mlp, x, g, chunk=None):
+        x = x.detach().requires_grad_()
+        out = mini_sequence_mlp(mlp, x, chunk) if chunk else mlp(x)
+        return [out, *torch.autograd.grad(out, [x, *mlp.parameters()], g)]
+
+    reference, upstream, ours = run(mlp64, x16.double(), g16.double()), run(mlp16, x16, g16), run(mlp16, x16, g16, 512)
+    results = {}
+    names = ["output", "x grad", *(f"{n} grad" for n, _ in mlp16.named_parameters())]
+    for name, got, up, ref in zip(names, ours, upstream, reference):
+        err, err_up = [((t.double() - ref).norm() / ref.norm()).item() for t in (got, up)]
+        results[name] = {"err": err, "upstream_err": err_up, "ok": err <= 1.25 * err_up + 1e-4}
+        print(f"mlp bf16 {name:22s} error {err:.2e} (upstream bf16 {err_up:.2e})", flush=True)
     return results
 
 
@@ -301,6 +334,7 @@ def main(argv=None):
     report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
               "model": args.model, "model_config": MODELS[args.model]}
     report["exactness"] = {} if args.no_exactness else exactness(device)
+    report["mlp_bf16"] = {} if args.no_exactness else mlp_bf16_accuracy(device)
     report["streaming"] = {} if args.no_streaming else streaming_exactness(device)
     planned = {} if args.no_planner else planner_peaks(args.model, args.methods, args.seq)
     rows = []
@@ -321,6 +355,7 @@ def main(argv=None):
     report["steps"] = rows
     write_report(report, args.out / f"cuda_check_{seqs}.json", args.merge_planner)
     bad = [k for k, v in report["exactness"].items() if v["loss_rel_err"] > 1e-5 or v["max_grad_rel_err"] > 1e-5 or v["missing_grads"]]
+    bad += [f"mlp bf16 {k}" for k, v in report["mlp_bf16"].items() if not v["ok"]]
     bad += [k for k, v in report["streaming"].items() if not v["ok"]]
     bad += [f"{r['method']} S={r['seq']}" for r in rows if "error" in r]
     if bad:

@@ -25,6 +25,7 @@ from transformers.mini_sequence import (
 )
 from transformers.mini_sequence.config import AUTO_MAX_LM_HEAD_LOGITS, AUTO_MIN_LM_HEAD_TOKENS
 from transformers.mini_sequence import loss as ms_loss
+from transformers.mini_sequence import _state as ms_state
 from transformers.mini_sequence.mlp import _MiniSequenceMLPFunction
 from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -243,12 +244,29 @@ def test_mlp_param_accumulate_hooks_fire_once():
     assert calls == {n: 1 for n, _ in mlp.named_parameters()}
 
 
-def test_mlp_bf16_as_accurate_as_upstream():
-    # 32 mini-sequences, so that summing the weight gradients in bf16 would show (see BF16_FACTOR).
-    torch.manual_seed(7)
-    mlp16 = llama_mlp(dtype=torch.bfloat16)
+def fp32_out_addmm_stand_in(monkeypatch):
+    """``torch.addmm(..., out_dtype=torch.float32, out=acc)``, a kernel CUDA has and this CPU has not, stood in for
+    by its definition (fp32 products, fp32 sums; docs/cuda/README.md has the real one measured on an H100).
+    Returns the list of (first matrix's shape, dtype) of each call."""
+    real_addmm = torch.addmm
+    calls = []
+
+    def addmm(input, mat1, mat2, *, out_dtype=None, out=None, **kwargs):
+        if out_dtype is None:
+            return real_addmm(input, mat1, mat2, out=out, **kwargs)
+        assert out is input and out_dtype == out.dtype == torch.float32 and not kwargs
+        calls.append((tuple(mat1.shape), mat1.dtype))
+        return out.add_(mat1.float() @ mat2.float())
+
+    monkeypatch.setattr(torch, "addmm", addmm)
+    monkeypatch.setattr(ms_state, "_NO_FP32_OUT_GEMM", set())
+    return calls
+
+
+def bf16_mlp_against_upstream(mlp16, seq, chunk, seed):
+    """Output and gradients of ``mlp16`` by mini-sequences, checked as accurate as upstream bf16 against fp64."""
+    torch.manual_seed(seed)
     mlp64 = as_fp64(mlp16)
-    seq, chunk = 256, 8
     x16 = torch.randn(2, seq, D).bfloat16().requires_grad_()
     g16 = torch.randn(2, seq, D).bfloat16()
     x64 = x16.detach().double().requires_grad_()
@@ -263,6 +281,72 @@ def test_mlp_bf16_as_accurate_as_upstream():
     assert all(g.dtype == torch.bfloat16 for g in got)
     names = ["output", "x grad", *(f"{n} grad" for n, _ in mlp16.named_parameters())]
     assert_as_accurate_as_upstream([out, *got], [up, *up_grads], [ref, *ref_grads], names)
+
+
+def test_mlp_bf16_as_accurate_as_upstream():
+    # 32 mini-sequences, so that summing the weight gradients in bf16 would show (see BF16_FACTOR).
+    torch.manual_seed(7)
+    bf16_mlp_against_upstream(llama_mlp(dtype=torch.bfloat16), 256, 8, seed=8)
+
+
+def test_mlp_bf16_linear_weights_one_fp32_out_gemm_per_chunk(monkeypatch):
+    # With a GEMM that writes fp32 (CUDA), each chunk's gradient of each linear weight is one such GEMM into the
+    # fp32 sum; the biases' and the input's gradients still come from autograd.
+    calls = fp32_out_addmm_stand_in(monkeypatch)
+    torch.manual_seed(10)
+    mlp16 = llama_mlp(bias=True, dtype=torch.bfloat16)
+    seq, chunk = 100, 8
+    bf16_mlp_against_upstream(mlp16, seq, chunk, seed=11)
+    sizes = [min(chunk, seq - start) for start in range(0, seq, chunk)]
+    # per chunk of n tokens (batch 2): gate_proj and up_proj [I, D], down_proj [D, I]; grad_out^T is [out, 2n]
+    expected = [((out, 2 * n), torch.bfloat16) for n in sizes for out in (I, I, D)]
+    assert sorted(calls) == sorted(expected)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_mlp_linear_takeover_folds_rows_like_matmul(monkeypatch, batch):
+    # A chunk is a strided view of the sequence; with its weight detached, matmul would not fold its rows and
+    # would run bmm (on an H100: 47 ms a step at 16K tokens). The takeover folds them: mm only.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    calls = fp32_out_addmm_stand_in(monkeypatch)
+    mlp16 = llama_mlp(dtype=torch.bfloat16)
+    x = torch.randn(batch, S, D).bfloat16().requires_grad_()
+    out = mini_sequence_mlp(mlp16, x, 8)
+    with CountOps() as ops:
+        out.sum().backward()
+    assert len(calls) == 3 * 5 and "bmm" not in ops.names and "mm" in ops.names
+
+
+class LinearAndMatmulMLP(nn.Module):
+    """A weight used by a linear layer and by a plain matmul in the same forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, I, bias=False)
+        self.down = nn.Linear(I, D, bias=False)
+
+    def forward(self, x):
+        h = F.silu(self.up(x))
+        return self.down(h) + 0.5 * (h @ self.down.weight.T)
+
+
+@pytest.mark.parametrize("fp32_out_gemm", [True, False])
+def test_mlp_bf16_weight_used_by_linear_and_matmul(monkeypatch, fp32_out_gemm):
+    # The linear layer's part of `down.weight`'s gradient is summed by the GEMM, the matmul's by autograd: both.
+    calls = fp32_out_addmm_stand_in(monkeypatch) if fp32_out_gemm else None
+    torch.manual_seed(12)
+    bf16_mlp_against_upstream(LinearAndMatmulMLP().bfloat16(), 64, 8, seed=13)
+    assert calls is None or len(calls) == 2 * 8
 
 
 def test_mlp_autocast_recompute_uses_forward_autocast_state():
@@ -530,20 +614,8 @@ def test_loss_bf16_as_accurate_as_upstream(loss_backends):
 
 def test_loss_bf16_weight_grad_one_fp32_out_gemm_per_chunk(loss_backends, monkeypatch):
     # Where the backend has `addmm(..., out_dtype=torch.float32)` (CUDA; not this CPU), a bf16 chunk's weight
-    # gradient is one GEMM into the fp32 accumulator, never a bf16 product. The kernel is stood in for by its
-    # definition (fp32 products, fp32 sums); docs/cuda/README.md has it measured on an H100.
-    real_addmm = torch.addmm
-    calls = []
-
-    def addmm(input, mat1, mat2, *, out_dtype=None, out=None, **kwargs):
-        if out_dtype is None:
-            return real_addmm(input, mat1, mat2, out=out, **kwargs)
-        assert out is input and out_dtype == out.dtype == torch.float32 and not kwargs
-        calls.append((tuple(mat1.shape), mat1.dtype))
-        return out.add_(mat1.float() @ mat2.float())
-
-    monkeypatch.setattr(torch, "addmm", addmm)
-    monkeypatch.setattr(ms_loss, "_NO_FP32_OUT_GEMM", set())
+    # gradient is one GEMM into the fp32 accumulator, never a bf16 product.
+    calls = fp32_out_addmm_stand_in(monkeypatch)
     torch.manual_seed(28)
     head = nn.Linear(D, V, bias=False).bfloat16()
     hidden = torch.randn(3, S, D, dtype=torch.bfloat16, requires_grad=True)

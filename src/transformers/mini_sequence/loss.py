@@ -18,7 +18,7 @@ computes it) and written, rounded once to the logits' dtype, over the logits the
 ``autograd.grad`` of the logits with that gradient for the hidden states and any other
 parameter. The weight of a plain ``nn.Linear`` head gets its gradient summed straight into the
 accumulator: on CUDA by one GEMM with an fp32 output per chunk (no half-precision product at all), elsewhere
-an eighth of the rows at a time (`_add_linear_weight_grad`). So a bf16 chunk holds one [C, V] bf16 buffer,
+an eighth of the rows at a time (`_state.add_linear_weight_grad`). So a bf16 chunk holds one [C, V] bf16 buffer,
 not the bf16 logits + an fp32 copy + the fp32 log-probabilities + the fp32 and bf16 gradients,
 and no [V, d] gradient per chunk next to the fp32 accumulator. Half-precision parameter
 gradients are still summed in fp32 and rounded once (mlp.py): the fp32 [V, d] accumulator stays,
@@ -72,7 +72,7 @@ calls the module itself.
 import torch
 import torch.nn.functional as F
 
-from ._state import accumulate_grads
+from ._state import accumulate_grads, add_linear_weight_grad
 from .wrappers import (
     _is_plain_parameter,
     call_hooks_once,
@@ -169,18 +169,9 @@ class _CrossEntropySum(torch.autograd.Function):
         return grad_logits, None, None
 
 
-# Slices in which `_add_linear_weight_grad` computes a chunk's weight gradient where the backend has no GEMM
-# with an fp32 output for half inputs: only 1/8 of a [V, d] gradient exists at a time besides the accumulator.
-_WEIGHT_GRAD_SLICES = 8
-
-# (device type, tensor type) whose backend has no kernel for ``addmm(..., out_dtype=torch.float32)`` (the CPU's;
-# CUDA has one). Fake tensors have their own entry: the planner's stand-in runs its meta kernel, as the GPU would.
-_NO_FP32_OUT_GEMM = set()
-
-
 def _manual_weight(lm_head, wanted_params, device_type):
     """The weight of a plain ``nn.Linear`` head (no replaced forward, no autocast cast) whose
-    gradient the Function computes itself with `_add_linear_weight_grad`, else None (autograd
+    gradient the Function computes itself with `add_linear_weight_grad`, else None (autograd
     then computes it, a whole [V, d] tensor per chunk). Hooks were ruled out by
     ``function_parameters``."""
     if type(lm_head) is not torch.nn.Linear or "forward" in lm_head.__dict__:
@@ -189,29 +180,6 @@ def _manual_weight(lm_head, wanted_params, device_type):
         return None
     weight = lm_head.weight
     return weight if any(p is weight for p in wanted_params) else None
-
-
-def _add_linear_weight_grad(acc, grad_out, inputs):
-    """``acc += grad_out.T @ inputs`` ([V, C] x [C, d]). A half-precision chunk into an fp32 accumulator is one
-    GEMM with an fp32 output where the backend has one (CUDA): the product is never rounded to half precision
-    and nothing besides the accumulator is written. Measured on an H100 (docs/cuda/README.md): the separate
-    product and fp32 add had the bf16 head + loss at 1.2-1.3x DeepSpeed ALST's time. Elsewhere in slices of the
-    V output features: besides the accumulator only one slice's product exists (in the inputs' dtype, so it is
-    rounded once, as autograd's would be), not a whole [V, d] gradient per chunk."""
-    key = (acc.device.type, type(acc))
-    if acc.dtype == torch.float32 and grad_out.dtype != acc.dtype and key not in _NO_FP32_OUT_GEMM:
-        try:
-            torch.addmm(acc, grad_out.T, inputs, out_dtype=torch.float32, out=acc)
-            return
-        except (NotImplementedError, TypeError):  # no such kernel for this backend, or a torch without out_dtype
-            _NO_FP32_OUT_GEMM.add(key)
-    step = -(-acc.shape[0] // _WEIGHT_GRAD_SLICES)
-    for start in range(0, acc.shape[0], step):
-        rows = slice(start, start + step)
-        if acc.dtype == grad_out.dtype:
-            acc[rows].addmm_(grad_out[:, rows].T, inputs)
-        else:
-            acc[rows].add_(grad_out[:, rows].T @ inputs)
 
 
 def _keep(tensor):
@@ -285,7 +253,7 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
             require_gradients(grads, inputs, "mini-sequence LM-head loss")
             if weight is not None:
                 grad_raw = grads[-1] if want_raw else grad_logits
-                _add_linear_weight_grad(acc[weight_index], grad_raw, h_chunk.detach())
+                add_linear_weight_grad(acc[weight_index], grad_raw, h_chunk.detach())
                 grads = grads[:-1] if want_raw else grads
                 del grad_raw
             del raw, logits, grad_logits  # frees the chunk's [C, V] buffers before the next chunk

@@ -8,10 +8,12 @@ chunked path is a custom autograd Function that keeps only the input x for backw
 backward, rebuilds one chunk's intermediates at a time (recomputation, as in Algorithm 3).
 """
 
+import contextlib
+
 import torch
 
-
 from ._state import (
+    LinearWeightGradsSummed,
     capture_autocast_state,
     capture_rng_state,
     restore_autocast_state,
@@ -166,7 +168,11 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
         ), summed_as_computed(acc, wanted_params, ctx.fp32_sums):
             for start, end in _chunk_bounds(x.shape[-2], ctx.chunk_size):
                 x_chunk = x[..., start:end, :].detach().requires_grad_(needs_x)
-                chunk_outs = _as_outputs(ctx.forward_fn(ctx.mlp, x_chunk))
+                # Half-precision linear weights: their gradient goes into `acc` by one fp32-output GEMM per chunk
+                # where the backend has one (CUDA), not as a half product added into the fp32 sum.
+                linear_sums = LinearWeightGradsSummed(acc, wanted_params) if ctx.fp32_sums else contextlib.nullcontext()
+                with linear_sums:
+                    chunk_outs = _as_outputs(ctx.forward_fn(ctx.mlp, x_chunk))
                 inputs = ([x_chunk] if needs_x else []) + wanted_params
                 if start == 0:
                     for i in used:
@@ -177,7 +183,15 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
                     [_chunk_grad(grad_outs[i], i, batch_shape, start, end) for i in used],
                     allow_unused=True,
                 )
-                require_gradients(grads, inputs, where)  # the parameters' are zeros: their sums are in `acc`
+                # The parameters' gradients are zeros (their sums are in `acc`), or None for a weight whose every
+                # use was a linear layer taken over above: `_LinearWeightGradInto` summed it.
+                taken = getattr(linear_sums, "seen", ())
+                offset = len(inputs) - len(wanted_params)
+                require_gradients(
+                    [g for k, g in enumerate(grads) if k < offset or k - offset not in taken],
+                    [t for k, t in enumerate(inputs) if k < offset or k - offset not in taken],
+                    where,
+                )
                 del chunk_outs  # frees this chunk's graph before the next one is built
                 if needs_x:
                     grad_x[..., start:end, :].copy_(grads[0])
