@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 from trainer_run import COUNTS, FAMILIES, VARIANTS, build_model, count_recomputation, dataset
+from leave import leave_process_group  # noqa: E402
 
 STEPS, ACCUMULATION, MICRO_BATCH = 3, 2, 2
 
@@ -130,8 +131,7 @@ def main():
     results = {(family, variant): train(family, variant, wrapper) for family in FAMILIES for variant in VARIANTS}
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

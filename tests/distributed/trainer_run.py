@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import transformers.modeling_utils  # noqa: E402
 from tiny_models import make_model  # noqa: E402
+from leave import leave_process_group  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers import streaming_backward as streaming  # noqa: E402
 from transformers.streaming_backward import layer as streamed_layer  # noqa: E402
@@ -183,10 +184,7 @@ def main():
                 results[(family, variant)] = train(family, variant, wrapper, workdir)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_file)
-    # Both ranks leave gloo together (ulysses_train.py says why).
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import traceback
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+from leave import leave_process_group  # noqa: E402
 
 DEFAULTS = dict(family="mistral", case="window", zero=2, chunk=None, attn="sdpa", seq=32, steps=3)
 
@@ -150,13 +151,7 @@ def main():
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    # Without this barrier one rank could tear gloo down while the other still used it, and now and then
-    # aborted at exit ("terminate called without an active exception", exit -6, after every RESULT line was printed:
-    # seen once in a clean-clone run). mamba_sequence_run.py ends the same way.
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

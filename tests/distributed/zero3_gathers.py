@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 from tiny_models import make_config  # noqa: E402
+from leave import leave_process_group  # noqa: E402
 
 # The tiny Llama, with sizes that make the LM head's weight shape (1000x64) unique.
 SIZES = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, use_cache=False,
@@ -81,5 +82,4 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     chunk, stream = (None if value == "none" else int(value) for value in (sys.argv[1:] + ["none"])[:2])
     zero3_run(chunk, stream)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
