@@ -84,8 +84,8 @@ _NO_FP32_OUT_GEMM = set()
 def add_linear_weight_grad(acc, grad_out, inputs):
     """``acc += grad_out.T @ inputs`` ([V, C] x [C, d]). A half-precision chunk into an fp32 accumulator is one
     GEMM with an fp32 output where the backend has one (CUDA): the product is never rounded to half precision
-    and nothing besides the accumulator is written. Measured on an H100 (docs/cuda/README.md): 0.68-0.78x the time of the
-    product and the fp32 add, for the LM head's and the MLP's weights. Elsewhere in slices of the
+    and nothing besides the accumulator is written. Measured on an H100 (docs/cuda/README.md): 0.68-0.78x the
+    time of the product and the fp32 add, for the LM head's and the MLP's weights. Elsewhere in slices of the
     V output features: besides the accumulator only one slice's product exists (in the inputs' dtype, so it is
     rounded once, as autograd's would be), not a whole [V, d] gradient per chunk."""
     key = (acc.device.type, type(acc))
@@ -138,13 +138,15 @@ class LinearWeightGradsSummed(TorchFunctionMode):
         super().__init__()
         self.sums = sums
         self.params = params
-        self.index = {id(p): i for i, p in enumerate(params) if p.dtype in (torch.float16, torch.bfloat16) and p.dim() == 2}
+        half = (torch.float16, torch.bfloat16)
+        self.index = {id(p): i for i, p in enumerate(params) if p.dtype in half and p.dim() == 2}
         self.seen = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and self.index:
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+            x = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
             i = self.index.get(id(weight))
             if (i is not None and self.params[i] is weight and x.dtype == weight.dtype
                     and not torch.is_autocast_enabled(x.device.type)):
