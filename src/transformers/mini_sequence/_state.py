@@ -81,6 +81,11 @@ _WEIGHT_GRAD_SLICES = 8
 _NO_FP32_OUT_GEMM = set()
 
 
+def may_have_fp32_out_gemm(tensor) -> bool:
+    """False once `add_linear_weight_grad` found no fp32-output GEMM for the backend of tensors like this one."""
+    return (tensor.device.type, type(tensor)) not in _NO_FP32_OUT_GEMM
+
+
 def add_linear_weight_grad(acc, grad_out, inputs):
     """``acc += grad_out.T @ inputs`` ([V, C] x [C, d]). A half-precision chunk into an fp32 accumulator is one
     GEMM with an fp32 output where the backend has one (CUDA): the product is never rounded to half precision
@@ -88,13 +93,12 @@ def add_linear_weight_grad(acc, grad_out, inputs):
     time of the product and the fp32 add, for the LM head's and the MLP's weights. Elsewhere in slices of the
     V output features: besides the accumulator only one slice's product exists (in the inputs' dtype, so it is
     rounded once, as autograd's would be), not a whole [V, d] gradient per chunk."""
-    key = (acc.device.type, type(acc))
-    if acc.dtype == torch.float32 and grad_out.dtype != acc.dtype and key not in _NO_FP32_OUT_GEMM:
+    if acc.dtype == torch.float32 and grad_out.dtype != acc.dtype and may_have_fp32_out_gemm(acc):
         try:
             torch.addmm(acc, grad_out.T, inputs, out_dtype=torch.float32, out=acc)
             return
         except (NotImplementedError, TypeError):  # no such kernel for this backend, or a torch without out_dtype
-            _NO_FP32_OUT_GEMM.add(key)
+            _NO_FP32_OUT_GEMM.add((acc.device.type, type(acc)))
     step = -(-acc.shape[0] // _WEIGHT_GRAD_SLICES)
     for start in range(0, acc.shape[0], step):
         rows = slice(start, start + step)

@@ -16,6 +16,7 @@ from ._state import (
     LinearWeightGradsSummed,
     capture_autocast_state,
     capture_rng_state,
+    may_have_fp32_out_gemm,
     restore_autocast_state,
     restore_rng_state,
     summed_as_computed,
@@ -169,8 +170,10 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
             for start, end in _chunk_bounds(x.shape[-2], ctx.chunk_size):
                 x_chunk = x[..., start:end, :].detach().requires_grad_(needs_x)
                 # Half-precision linear weights: their gradient goes into `acc` by one fp32-output GEMM per chunk
-                # where the backend has one (CUDA), not as a half product added into the fp32 sum.
-                linear_sums = LinearWeightGradsSummed(acc, wanted_params) if ctx.fp32_sums else contextlib.nullcontext()
+                # where the backend has one (CUDA), not as a half product added into the fp32 sum. Without such a
+                # GEMM (the CPU) autograd's product and `summed_as_computed`'s add are as good, and cheaper.
+                take_linears = ctx.fp32_sums and may_have_fp32_out_gemm(x)
+                linear_sums = LinearWeightGradsSummed(acc, wanted_params) if take_linears else contextlib.nullcontext()
                 with linear_sums:
                     chunk_outs = _as_outputs(ctx.forward_fn(ctx.mlp, x_chunk))
                 inputs = ([x_chunk] if needs_x else []) + wanted_params
@@ -185,13 +188,9 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
                 )
                 # The parameters' gradients are zeros (their sums are in `acc`), or None for a weight whose every
                 # use was a linear layer taken over above: `_LinearWeightGradInto` summed it.
-                taken = getattr(linear_sums, "seen", ())
-                offset = len(inputs) - len(wanted_params)
-                require_gradients(
-                    [g for k, g in enumerate(grads) if k < offset or k - offset not in taken],
-                    [t for k, t in enumerate(inputs) if k < offset or k - offset not in taken],
-                    where,
-                )
+                taken = {id(wanted_params[i]) for i in getattr(linear_sums, "seen", ())}
+                kept = [(g, t) for g, t in zip(grads, inputs) if id(t) not in taken]
+                require_gradients([g for g, _ in kept], [t for _, t in kept], where)
                 del chunk_outs  # frees this chunk's graph before the next one is built
                 if needs_x:
                     grad_x[..., start:end, :].copy_(grads[0])
