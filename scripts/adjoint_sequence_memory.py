@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import transformers
 from transformers.adjoint_sharding import sequence
-from transformers.mini_sequence import LiveTensorTracker
-from transformers.mini_sequence.memory import resident_training_bytes
+from transformers.mst_core.memory import LiveTensorTracker
+from transformers.mst_core.memory import resident_training_bytes
 
 
 def main():

@@ -50,9 +50,10 @@ from tqdm import tqdm
 import transformers
 from transformers.adjoint_sharding import shard_tokens
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.mini_sequence import LiveTensorTracker, mini_sequence_causal_lm_loss, mini_sequence_mlp
-from transformers.mini_sequence.memory import resident_training_bytes
-from transformers.mini_sequence.plan import METHODS, Method  # name -> (mini_sequence_chunk, checkpointing, streaming)
+from transformers.mini_sequence import mini_sequence_causal_lm_loss, mini_sequence_mlp
+from transformers.mst_core.memory import LiveTensorTracker
+from transformers.mst_core.memory import resident_training_bytes
+from transformers.mst_planner.plan import METHODS, Method  # name -> (mini_sequence_chunk, checkpointing, streaming)
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),

@@ -113,7 +113,7 @@ def mlp_bf16_accuracy(device):
     """The mini-sequence MLP in bf16 on `device` (Llama-3.2-1B's MLP, 4096 tokens, chunks of 512): relative-norm
     error of the output, the input gradient and each weight gradient against fp64 from the same bf16 values, next
     to upstream bf16's (ours must be within 1.25x of it + 1e-4). On CUDA the weight gradients are summed by
-    fp32-output GEMMs (`_state.LinearWeightGradsSummed`)."""
+    fp32-output GEMMs (`mst_core/grads.py: LinearWeightGradsSummed`)."""
     import copy
 
     from transformers.mini_sequence.mlp import mini_sequence_mlp
@@ -277,7 +277,7 @@ def profile_step(model_name, method, seq, device, rows=25):
 
 def planner_peaks(model_name, methods, seqs):
     """{(method, seq): planned peak bytes} for the measured methods (offloaded inputs planned as such)."""
-    from transformers.mini_sequence.plan import Parallel, Planner
+    from transformers.mst_planner.plan import Parallel, Planner
 
     config = transformers.LlamaConfig(**MODELS[model_name])
     planners = {False: Planner(config, optimizer="adamw-bf16"),

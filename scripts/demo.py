@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 # Only the validation helper here: it does not import torch, so bad arguments fail fast.
-from transformers.mini_sequence import validate_mini_sequence_chunk, validate_streaming_backward_chunk
+from transformers.mst_core.fields import validate_mini_sequence_chunk, validate_streaming_backward_chunk
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -204,8 +204,8 @@ def measured_step(model, optimizer, ids, device, seed):
     """One training step; returns {loss, peak (bytes), seconds}."""
     import torch
 
-    from transformers.mini_sequence import LiveTensorTracker
-    from transformers.mini_sequence.memory import resident_training_bytes
+    from transformers.mst_core.memory import LiveTensorTracker
+    from transformers.mst_core.memory import resident_training_bytes
 
     torch.manual_seed(seed)  # same RNG state for both runs (dropout, if the checkpoint has any)
     resident = resident_training_bytes(model, optimizer)

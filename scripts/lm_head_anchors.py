@@ -81,7 +81,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_head_memory import MIB, fake_parameters, make_inputs  # noqa: E402
 
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
-from transformers.mini_sequence import LiveTensorTracker, config, loss  # noqa: E402
+from transformers.mini_sequence import config, loss  # noqa: E402
+from transformers.mst_core.memory import LiveTensorTracker  # noqa: E402
 
 METHODS = ("torch-lce", "ALST", "ours", "upstream")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -39,7 +39,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.mini_sequence import LiveTensorTracker, config, loss
+from transformers.mini_sequence import config, loss
+from transformers.mst_core.memory import LiveTensorTracker
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20

@@ -16,7 +16,7 @@ from test_streaming import assert_bf16_as_accurate_as_upstream, seed_of
 from tiny_models import SSM_FAMILIES, make_config, make_model
 from transformers.adjoint_sharding import config as adjoint_config
 from transformers.adjoint_sharding import scan
-from transformers.mini_sequence import LiveTensorTracker
+from transformers.mst_core.memory import LiveTensorTracker
 from transformers.models.falcon_mamba import modeling_falcon_mamba
 from transformers.models.mamba import modeling_mamba
 

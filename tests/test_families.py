@@ -1,4 +1,4 @@
-"""The registry of families (mini_sequence/families.py) against what reads it: the README's support matrix, the
+"""The registry of families (mst_core/families.py) against what reads it: the README's support matrix, the
 tiny test configs, and the checks that derive their model types from it."""
 
 from pathlib import Path
@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 import tiny_models
-from transformers.mini_sequence import families, support
+from transformers.mst_core import families
+from transformers.mst_core import model_checks
 from transformers.ulysses import masks as ulysses
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -19,7 +20,7 @@ def test_readme_support_matrix_is_the_registry():
     end = text.index("\n", text.index("| any other model type |"))
     assert text[start:end] == families.support_matrix(), (
         "README.md's support matrix differs from the registry; replace it with "
-        "`python -c 'from transformers.mini_sequence import families; print(families.support_matrix())'`"
+        "`python -c 'from transformers.mst_core import families; print(families.support_matrix())'`"
     )
 
 
@@ -32,7 +33,7 @@ def test_every_family_has_a_tiny_test_config():
 @pytest.mark.parametrize("model_type", sorted(families.FAMILIES))
 def test_checks_follow_the_registry(model_type):
     family = families.FAMILIES[model_type]
-    applies = {field: model_type in types for field, types in support.FIELD_MODEL_TYPES.items()}
+    applies = {field: model_type in types for field, types in model_checks.FIELD_MODEL_TYPES.items()}
     assert applies["mini_sequence_chunk"] == (family.mini_sequence in ("mlp", "moe", "lm_head"))
     assert applies["streaming_backward_chunk"] == (family.streaming_attention != ())
     assert applies["adjoint_sharding_chunk"] == applies["adjoint_truncation"] == family.adjoint

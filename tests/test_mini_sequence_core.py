@@ -15,17 +15,12 @@ import torch.utils.checkpoint
 
 from transformers import Gemma2Config, LlamaConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.mini_sequence import (
-    LiveTensorTracker,
-    lm_head_chunk_size,
-    mini_sequence_causal_lm_loss,
-    mini_sequence_mlp,
-    mlp_chunk_size,
-    validate_mini_sequence_chunk,
-)
+from transformers.mini_sequence import lm_head_chunk_size, mini_sequence_causal_lm_loss, mini_sequence_mlp, mlp_chunk_size
 from transformers.mini_sequence.config import AUTO_MAX_LM_HEAD_LOGITS, AUTO_MIN_LM_HEAD_TOKENS
 from transformers.mini_sequence import loss as ms_loss
-from transformers.mini_sequence import _state as ms_state
+from transformers.mst_core import grads as core_grads
+from transformers.mst_core.fields import validate_mini_sequence_chunk
+from transformers.mst_core.memory import LiveTensorTracker
 from transformers.mini_sequence.mlp import _MiniSequenceMLPFunction
 from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -142,17 +137,18 @@ def test_chunk_size_policy():
     assert lm_head_chunk_size(33, 4096, 128256, 1 << 20) == 33
 
 
-def test_config_module_does_not_import_torch():
+def test_fields_module_does_not_import_torch():
     import subprocess
     import sys
 
-    # Load config.py on its own with torch made unimportable.
-    path = __import__("transformers.mini_sequence.config", fromlist=["x"]).__file__
+    # The configuration classes validate through mst_core/fields.py: load it on its own with torch unimportable.
+    path = __import__("transformers.mst_core.fields", fromlist=["x"]).__file__
     code = (
         "import sys, importlib.util; sys.modules['torch'] = None\n"
-        f"spec = importlib.util.spec_from_file_location('cfg', {path!r})\n"
+        f"spec = importlib.util.spec_from_file_location('fields', {path!r})\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "assert m.validate_mini_sequence_chunk('auto') == 'auto'\n"
+        "assert m.validate_streaming_backward_chunk(4) == 4\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -259,7 +255,7 @@ def fp32_out_addmm_stand_in(monkeypatch):
         return out.add_(mat1.float() @ mat2.float())
 
     monkeypatch.setattr(torch, "addmm", addmm)
-    monkeypatch.setattr(ms_state, "_NO_FP32_OUT_GEMM", set())
+    monkeypatch.setattr(core_grads, "_NO_FP32_OUT_GEMM", set())
     return calls
 
 

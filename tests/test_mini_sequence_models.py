@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 from tiny_models import COMMON, FAMILIES, make_config, make_model
-from transformers.mini_sequence import LiveTensorTracker, lm_head_chunk_size
+from transformers.mini_sequence import lm_head_chunk_size
+from transformers.mst_core.memory import LiveTensorTracker
 
 SEQ = 40
 CHUNKS = [1, 7, 64, SEQ - 1, SEQ + 5, "auto"]

@@ -306,7 +306,7 @@ def test_moe_function_backward_peak_at_most_the_checkpointed_chunks(family):
     higher than that of the same chunks under checkpointing, where autograd sums them (a forward pre-hook of the
     test's sends the block there). Gradients equal too. Holding each chunk's gradients until `autograd.grad`
     returned, with the sum beside them, was 1.3x that peak (Mixtral, 38.7 vs 29.3 MiB)."""
-    from transformers.mini_sequence import LiveTensorTracker
+    from transformers.mst_core.memory import LiveTensorTracker
 
     experts = dict(num_experts=16, moe_intermediate_size=256) if family == "qwen3_moe" else dict(num_local_experts=16)
     model = make_model(family, mini_sequence_chunk=64, hidden_size=128, intermediate_size=256, **experts)

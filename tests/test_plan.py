@@ -7,7 +7,9 @@ import pytest
 import torch
 import transformers
 from conftest import run_py
-from transformers.mini_sequence import LiveTensorTracker, plan, wrappers
+from transformers.mst_core import wrappers
+from transformers.mst_core.memory import LiveTensorTracker
+from transformers.mst_planner import plan
 
 TINY = dict(vocab_size=8000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4)
 STREAMED = [m for m, settings in plan.METHODS.items() if settings.streaming_backward_chunk is not None]
@@ -43,7 +45,7 @@ def test_importing_the_planner_registers_nothing():
     """The planner's stand-in attention reaches upstream's interfaces and the streamed layers' bottom-right set
     only when a plan is built, not on import."""
     code = ("from transformers import AttentionInterface; from transformers.streaming_backward import masks; "
-            "import transformers.mini_sequence.plan as plan; "
+            "import transformers.mst_planner.plan as plan; "
             "assert not any(n.startswith(plan.ATTENTION) for n in AttentionInterface._global_mapping); "
             "assert not any(n.startswith(plan.ATTENTION) for n in masks.BOTTOM_RIGHT_CAUSAL_ATTENTION); "
             "plan.Planner(plan.load_config('llama3-8b'), optimizer='none'); "
@@ -153,7 +155,7 @@ def test_table_output(capsys, tiny_config):
 
 def test_bad_inputs(capsys, tmp_path, tiny_config):
     # The real command line once: exit code 2, message on stderr, naming the built-in models.
-    out = run_py(["-m", "transformers.mini_sequence.plan", "--model", "llama9-1t", "--gpu-memory-gib", "80"])
+    out = run_py(["-m", "transformers.mst_planner.plan", "--model", "llama9-1t", "--gpu-memory-gib", "80"])
     assert out.returncode == 2 and "llama3-8b" in out.stderr and "gemma2-9b" in out.stderr and not out.stdout
     code, _, err = run_main(capsys, "--model", str(tmp_path / "nope.json"), "--gpu-memory-gib", "80")
     assert code == 2 and "nor an existing config.json path" in err
@@ -559,7 +561,7 @@ def test_shallow_stack_gives_the_deep_stacks_bytes(case, monkeypatch):
 def test_shallow_stack_falls_back_to_every_layer():
     """Unequal middle blocks: no deep sequence (every layer runs); a layer kind without period (Qwen3-MoE with a
     dense first layer) or a stack too shallow to gain: no shallow stack at all."""
-    from transformers.mini_sequence import layer_phases
+    from transformers.mst_planner import layer_phases
 
     def phases(rises):
         keys = [("prologue",), *[("forward", i) for i in range(4)], ("head",),

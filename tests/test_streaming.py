@@ -14,8 +14,8 @@ import transformers
 from test_mini_sequence_models import assert_close, batch, train_step
 from tiny_models import COMMON, FAMILIES, make_config, make_model
 from torch.nn.attention.bias import causal_lower_right
-from transformers.mini_sequence import LiveTensorTracker
-from transformers.mini_sequence.config import streaming_chunk_size
+from transformers.mst_core.memory import LiveTensorTracker
+from transformers.streaming_backward.config import streaming_chunk_size
 from transformers.streaming_backward import layer as streamed_layer
 from transformers.streaming_backward import masks, offload, rows
 

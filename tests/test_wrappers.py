@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.mini_sequence import mini_sequence_causal_lm_loss, mini_sequence_mlp
 from transformers.mini_sequence.mlp import _MiniSequenceMLPFunction, module_forward
-from transformers.mini_sequence.wrappers import function_parameters
+from transformers.mst_core.wrappers import function_parameters
 
 D, I, V, S = 16, 40, 50, 37
 
@@ -275,7 +275,7 @@ def test_wrapped_lm_loss_peak_equals_function_path_in_bf16():
     held them: 2.6x the Function path's peak here, now 1.2x: what is left is the [V, d] weight gradient of
     one chunk that autograd builds before adding it into `.grad`). Same loss and hidden-state gradient as
     the Function path."""
-    from transformers.mini_sequence import LiveTensorTracker
+    from transformers.mst_core.memory import LiveTensorTracker
 
     seeded("wrapped bf16 peak")
     n, d, v, chunk = 512, 64, 8000, 128

@@ -2,10 +2,10 @@
 space models", TMLR, https://openreview.net/forum?id=kQCuMcEneq): the selective scan's backward as a reverse
 recurrence of adjoint states plus per-shard vector-Jacobian products, exact or truncated.
 
-Importing this package does not import torch: configuration classes import `.config`.
+Importing this package does not import torch.
 """
 
-from .config import shard_tokens, validate_adjoint_sharding
+from .config import shard_tokens
 
 
-__all__ = ["validate_adjoint_sharding", "shard_tokens"]
+__all__ = ["shard_tokens"]

@@ -33,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..mini_sequence.wrappers import refuse_create_graph
+from ..mst_core.wrappers import refuse_create_graph
 
 
 def linear_scan(a: torch.Tensor, b: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:

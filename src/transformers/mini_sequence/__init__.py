@@ -1,28 +1,20 @@
 """Mini-sequence (sequence-chunked) MLP and LM-head loss, after the Mini-Sequence Transformer
 paper (MsT, Algorithms 1-4).
 
-Importing this package does not import torch: configuration classes import the validation
-helpers from ``.config``. The torch-based names are loaded on first access.
+Importing this package does not import torch: the torch-based names are loaded on first access. The field's
+validation is mst_core/fields.py (shared by every method); what the patched model files call is `integration.py`.
 """
 
-from .config import (
-    lm_head_chunk_size,
-    mlp_chunk_size,
-    validate_mini_sequence_chunk,
-    validate_streaming_backward_chunk,
-)
+from .config import lm_head_chunk_size, mlp_chunk_size
 
 
 _LAZY = {
     "mini_sequence_mlp": ".mlp",
     "module_forward": ".mlp",
     "mini_sequence_causal_lm_loss": ".loss",
-    "LiveTensorTracker": ".memory",
 }
 
 __all__ = [
-    "validate_mini_sequence_chunk",
-    "validate_streaming_backward_chunk",
     "mlp_chunk_size",
     "lm_head_chunk_size",
     *_LAZY,

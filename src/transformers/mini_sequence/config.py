@@ -1,9 +1,6 @@
-"""Validation and chunk-size policy for the ``mini_sequence_chunk`` config field.
+"""Chunk-size policy for the ``mini_sequence_chunk`` config field (its validation: mst_core/fields.py).
 
-This module must stay importable without torch: configuration classes import it at
-construction time.
-
-Allowed values (README, "The fields"; docs/mini-sequence.md):
+Importable without torch. Allowed values (README, "The fields"; docs/mini-sequence.md):
 
 - ``None``: mini-sequence processing off, exactly upstream behaviour.
 - ``"auto"``: the paper's policy (MsT §3.4): MLP chunks of ``C = hidden_size`` tokens,
@@ -13,67 +10,13 @@ Allowed values (README, "The fields"; docs/mini-sequence.md):
 
 import math
 
-
-FIELD_NAME = "mini_sequence_chunk"
-ALLOWED_DESCRIPTION = 'None, "auto", or a positive int (tokens per mini-sequence)'
-
-
-def _validate_chunk_field(field_name: str, value, allowed: str):
-    """Return ``value`` unchanged if it is None, ``"auto"`` or a positive int, else raise ``ValueError``.
-
-    ``bool`` is rejected although it subclasses ``int`` (``True`` would silently mean chunks
-    of 1 token); floats are rejected even when integral (``4.0``), so that a typo or a
-    JSON round-trip surprise is reported rather than guessed at.
-    """
-    if value is None:
-        return value
-    if isinstance(value, str) and value == "auto":
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    raise ValueError(f"Invalid `{field_name}`={value!r}: expected {allowed}.")
-
-
-def validate_mini_sequence_chunk(value):
-    """Return ``value`` unchanged if it is a valid ``mini_sequence_chunk``, else raise ``ValueError``."""
-    return _validate_chunk_field(FIELD_NAME, value, ALLOWED_DESCRIPTION)
-
-
-STREAMING_FIELD_NAME = "streaming_backward_chunk"
-STREAMING_ALLOWED_DESCRIPTION = 'None, "auto", or a positive int (query tokens per streamed chunk)'
-
-
-def validate_streaming_backward_chunk(value):
-    """Return ``value`` unchanged if it is a valid ``streaming_backward_chunk``, else raise ``ValueError``."""
-    return _validate_chunk_field(STREAMING_FIELD_NAME, value, STREAMING_ALLOWED_DESCRIPTION)
-
-
-def _hidden_size_chunk(field_name: str, value, allowed: str, hidden_size: int) -> int:
-    """A chunk field's tokens per chunk: ``"auto"`` -> ``hidden_size``; None raises (the feature is off)."""
-    _validate_chunk_field(field_name, value, allowed)
-    if value is None:
-        raise ValueError(f"`{field_name}` is None: the feature it sets is disabled")
-    if value == "auto":
-        return int(hidden_size)
-    return value
+from ..mst_core.fields import MINI_SEQUENCE_ALLOWED, MINI_SEQUENCE_FIELD, hidden_size_chunk, validate_mini_sequence_chunk
 
 
 def mlp_chunk_size(value, hidden_size: int) -> int:
     """Tokens per MLP mini-sequence. ``"auto"`` -> ``hidden_size`` (MsT §3.4: C = d keeps
     the MLP compute-bound, and a sequence no longer than d is not split at all)."""
-    return _hidden_size_chunk(FIELD_NAME, value, ALLOWED_DESCRIPTION, hidden_size)
-
-
-# Streaming "auto": `hidden_size` query tokens, as MsT's MLP mini-sequences (C = d). Measured (bench
-# `streaming` sweep, CPU, d=256, 2 layers, S=8192, fp32, both flags; vs mini_sequence+checkpointing):
-# chunk 256 = d: step time 1.13x, activation memory 0.81x; 512: 1.22x, 0.87x; 1024: 1.30x, 1.11x;
-# 2048: 1.43x, 1.60x; 4096: 1.36x, 2.57x. Larger chunks cost memory (one chunk's working set) and time:
-# the chunk's diagonal block is computed in full under the mask (c * S / 2 wasted attention per layer),
-# and with mini_sequence_chunk="auto" a streamed chunk longer than d makes the MLP a mini-sequence
-# Function of its own, recomputed once more in its backward; a chunk of d tokens runs the MLP unsplit.
-def streaming_chunk_size(value, hidden_size: int) -> int:
-    """Query tokens per streamed chunk for `streaming_backward_chunk=value`."""
-    return _hidden_size_chunk(STREAMING_FIELD_NAME, value, STREAMING_ALLOWED_DESCRIPTION, hidden_size)
+    return hidden_size_chunk(MINI_SEQUENCE_FIELD, value, MINI_SEQUENCE_ALLOWED, hidden_size)
 
 
 # "auto" never makes LM-head chunks smaller than this. Each chunk re-reads the whole [V, d] weight
@@ -96,7 +39,7 @@ def lm_head_chunk_size(value, hidden_size: int, vocab_size: int, num_tokens: int
     least ``AUTO_MIN_LM_HEAD_TOKENS``."""
     validate_mini_sequence_chunk(value)
     if value is None:
-        raise ValueError(f"`{FIELD_NAME}` is None: mini-sequence processing is disabled")
+        raise ValueError(f"`{MINI_SEQUENCE_FIELD}` is None: mini-sequence processing is disabled")
     if value == "auto":
         num_mini_sequences = max(1, math.ceil(vocab_size / hidden_size))
         chunk = min(math.ceil(num_tokens / num_mini_sequences), AUTO_MAX_LM_HEAD_LOGITS // vocab_size)

@@ -18,13 +18,13 @@ computes it) and written, rounded once to the logits' dtype, over the logits the
 ``autograd.grad`` of the logits with that gradient for the hidden states and any other
 parameter. The weight of a plain ``nn.Linear`` head gets its gradient summed straight into the
 accumulator: on CUDA by one GEMM with an fp32 output per chunk (no half-precision product at all), elsewhere
-an eighth of the rows at a time (`_state.add_linear_weight_grad`). So a bf16 chunk holds one [C, V] bf16 buffer,
+an eighth of the rows at a time (`mst_core/grads.py: add_linear_weight_grad`). So a bf16 chunk holds one [C, V] bf16 buffer,
 not the bf16 logits + an fp32 copy + the fp32 log-probabilities + the fp32 and bf16 gradients,
 and no [V, d] gradient per chunk next to the fp32 accumulator. Half-precision parameter
 gradients are still summed in fp32 and rounded once (mlp.py): the fp32 [V, d] accumulator stays,
 as a bf16 running sum would double the weight gradient's error.
 
-Issue 7 item 4, measured with ``scripts/lm_head_memory.py --fake-peaks --time-tokens 1024``
+Measured with ``scripts/lm_head_memory.py --fake-peaks --time-tokens 1024``
 (CPU, 2 AVX2 cores; 8192 tokens, d=512, V=32000, "auto" chunk 1024; forward+backward of head +
 loss; peak = live tensor bytes, bf16 peaks under FakeTensorMode, checked equal to real ones on a
 small shape; time at 1024 tokens, one chunk, median of 2, interleaved)::
@@ -72,8 +72,8 @@ calls the module itself.
 import torch
 import torch.nn.functional as F
 
-from ._state import accumulate_grads, add_linear_weight_grad
-from .wrappers import (
+from ..mst_core.grads import accumulate_grads, add_linear_weight_grad
+from ..mst_core.wrappers import (
     _is_plain_parameter,
     call_hooks_once,
     check_graph_inputs,

@@ -12,17 +12,10 @@ import contextlib
 
 import torch
 
-from ._state import (
-    LinearWeightGradsSummed,
-    capture_autocast_state,
-    capture_rng_state,
-    may_have_fp32_out_gemm,
-    restore_autocast_state,
-    restore_rng_state,
-    summed_as_computed,
-)
-from .support import foreign_forward
-from .wrappers import (
+from ..mst_core.grads import LinearWeightGradsSummed, may_have_fp32_out_gemm, summed_as_computed
+from ..mst_core.model_checks import foreign_forward
+from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
+from ..mst_core.wrappers import (
     check_graph_inputs,
     checkpointed_chunks,
     function_parameters,
@@ -219,7 +212,7 @@ def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward
     params = function_parameters(mlp)
     if params is None:
         # A wrapper (ZeRO-3, FSDP, accelerate hooks) may swap the weights at call time: let
-        # autograd see each chunk's real forward (wrappers.py explains why).
+        # autograd see each chunk's real forward (mst_core/wrappers.py explains why).
         chunks = checkpointed_chunks(lambda chunk, start, end: forward_fn(mlp, chunk), hidden_states, chunk_size)
         return torch.cat(chunks, dim=-2)
     return chunked_function(forward_fn, mlp, hidden_states, chunk_size, params)

@@ -5,7 +5,7 @@ own upstream `forward` on chunks of the sequence gives the same output and gradi
 MLP's Function (mlp.py): only the block's input is kept for backward, and each chunk's routing and expert
 intermediates are rebuilt in backward one chunk at a time. So under activation checkpointing each token goes through
 the experts twice a step, as without the flag (the layer's recompute stops before the block, see `_SavedInput`).
-Where a wrapper or hook may swap the weights (wrappers.py), each chunk runs under non-reentrant checkpointing instead
+Where a wrapper or hook may swap the weights (mst_core/wrappers.py), each chunk runs under non-reentrant checkpointing instead
 and every gradient flows through ordinary autograd.
 
 The router logits: in 5.24 `output_router_logits=True` collects them with a forward hook on the router module
@@ -26,7 +26,7 @@ import torch
 
 from ..utils import output_capturing
 from .mlp import _as_outputs, _forward_chunks, chunked_function, module_forward
-from .wrappers import checkpointed_chunks, function_parameters
+from ..mst_core.wrappers import checkpointed_chunks, function_parameters
 
 
 ROUTER_LOGITS = "router_logits"
@@ -35,7 +35,7 @@ ROUTER_LOGITS = "router_logits"
 def _records_router_logits(hook) -> bool:
     """Whether `hook` is upstream's output-capturing forward hook for the router logits (utils/output_capturing.py's
     `install_output_capuring_hook(module, "router_logits", ...)`). It only appends the router's output to the running
-    forward's collector, which `_chunk_forward` sets, so it does not stop the Function path (wrappers.py)."""
+    forward's collector, which `_chunk_forward` sets, so it does not stop the Function path (mst_core/wrappers.py)."""
     code = getattr(hook, "__code__", None)
     if code is None or code.co_name != "output_capturing_hook" or hook.__module__ != output_capturing.__name__:
         return False

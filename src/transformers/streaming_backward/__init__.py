@@ -4,7 +4,7 @@
 so, runs `decoder_layer_forward` instead: the layer's own forward per query chunk (layer.py), its keys/values met
 at the `Cache` seam (cache.py), each chunk's mask and key range from masks.py, row-wise gradients in row blocks
 (rows.py), the input kept on the device or offloaded (offload.py), and the wrappers' rules (wrappers.py). The
-model types it streams are the registry's (mini_sequence/families.py).
+model types it streams are the registry's (mst_core/families.py).
 """
 
 from .layer import applies, decoder_layer_forward

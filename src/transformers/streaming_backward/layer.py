@@ -34,16 +34,12 @@ import inspect
 
 import torch
 
-from ..mini_sequence._state import (
-    capture_autocast_state,
-    capture_rng_state,
-    restore_autocast_state,
-    restore_rng_state,
-    summed_as_computed,
-)
-from ..mini_sequence.config import STREAMING_FIELD_NAME, streaming_chunk_size
-from ..mini_sequence.families import model_types, streaming_model_types
-from ..mini_sequence.wrappers import check_graph_inputs, refuse_create_graph
+from ..mst_core.families import model_types, streaming_model_types
+from ..mst_core.fields import STREAMING_FIELD
+from ..mst_core.grads import summed_as_computed
+from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
+from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
+from .config import streaming_chunk_size
 from .cache import BackwardCache, FixedCache, JoinedCache, RecordingCache, StopAfterKeysValues
 from .offload import SavedInput, offload_requested
 from .rows import RowBlocks, row_blocks
@@ -74,11 +70,11 @@ MOE_MODEL_TYPES = model_types(mini_sequence="moe")
 
 def applies(layer) -> bool:
     """Whether `layer`'s forward should stream (GradientCheckpointingLayer asks, patch 0008): the field is set, the
-    layer trains with grad enabled, and its model type is one the registry streams (mini_sequence/families.py).
+    layer trains with grad enabled, and its model type is one the registry streams (mst_core/families.py).
     A layer of another family (the field set on it by `from_pretrained` or a config.json) is not streamed: the
-    model warned at construction that the field is ignored (mini_sequence/support.py)."""
+    model warned at construction that the field is ignored (mst_core/model_checks.py)."""
     config = getattr(getattr(layer, "self_attn", None), "config", None)
-    if getattr(config, STREAMING_FIELD_NAME, None) is None or not (layer.training and torch.is_grad_enabled()):
+    if getattr(config, STREAMING_FIELD, None) is None or not (layer.training and torch.is_grad_enabled()):
         return False
     return getattr(config, "model_type", None) in STREAMING_MODEL_TYPES
 
@@ -102,17 +98,17 @@ class StreamedCall:
         hidden_states = arguments.pop("hidden_states")
         self.batch, self.seq_len = hidden_states.shape[:2]
         implementation = config._attn_implementation
-        # The planner's FlashAttention-like stand-in masks an offset chunk bottom-right itself (mini_sequence/plan.py).
+        # The planner's FlashAttention-like stand-in masks an offset chunk bottom-right itself (mst_planner/plan.py).
         self.bottom_right = implementation in BOTTOM_RIGHT_CAUSAL_ATTENTION
         if implementation not in SUPPORTED_ATTENTION and not self.bottom_right:
             raise ValueError(
-                f"{STREAMING_FIELD_NAME} is set but {type(layer).__name__} uses attn_implementation={implementation!r}; "
+                f"{STREAMING_FIELD} is set but {type(layer).__name__} uses attn_implementation={implementation!r}; "
                 f"the streamed layer runs offset query chunks only with {SUPPORTED_ATTENTION}. Load the model with one "
                 "of them, or unset the field."
             )
         if not getattr(attn, "is_causal", True):
             raise ValueError(
-                f"{STREAMING_FIELD_NAME} needs causal attention (each query chunk reads only earlier keys); "
+                f"{STREAMING_FIELD} needs causal attention (each query chunk reads only earlier keys); "
                 f"{type(attn).__name__} is bidirectional here. Unset the field."
             )
         mask = arguments.pop("attention_mask", None)
@@ -122,31 +118,31 @@ class StreamedCall:
 
             if flash_attn_supports_top_left_mask():
                 raise ValueError(
-                    f"{STREAMING_FIELD_NAME}: the installed flash-attn aligns its causal mask top-left (before 2.1), "
+                    f"{STREAMING_FIELD}: the installed flash-attn aligns its causal mask top-left (before 2.1), "
                     "which masks every query chunk after the first wrongly. Install flash-attn >= 2.1, or use "
                     "attn_implementation='sdpa'."
                 )
             # FlashAttention gets the [batch, key] padding mask (or none) and unpads by it, as upstream does.
             if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (self.batch, self.seq_len)):
                 raise ValueError(
-                    f"{STREAMING_FIELD_NAME}: with {FLASH_ATTENTION} the decoder layer got an attention mask of shape "
+                    f"{STREAMING_FIELD}: with {FLASH_ATTENTION} the decoder layer got an attention mask of shape "
                     f"{getattr(mask, 'shape', None)}; streaming slices a [batch, {self.seq_len}] padding mask per chunk "
                     "and supports no other kind (a KV cache or prefix is not supported)."
                 )
         elif mask is not None:
             if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
                 raise ValueError(
-                    f"{STREAMING_FIELD_NAME}: the decoder layer got an attention mask of type {type(mask).__name__} "
+                    f"{STREAMING_FIELD}: the decoder layer got an attention mask of type {type(mask).__name__} "
                     f"(shape {getattr(mask, 'shape', None)}); streaming slices a 4D [batch, 1, query, key] mask per "
                     "chunk and supports no other kind."
                 )
             if tuple(mask.shape[-2:]) != (self.seq_len, self.seq_len):
                 raise ValueError(
-                    f"{STREAMING_FIELD_NAME}: the 4D attention mask covers {tuple(mask.shape[-2:])} (query, key) "
+                    f"{STREAMING_FIELD}: the 4D attention mask covers {tuple(mask.shape[-2:])} (query, key) "
                     f"positions for a sequence of {self.seq_len}; a KV cache or prefix is not supported."
                 )
         elif implementation == "eager":
-            raise ValueError(f"{STREAMING_FIELD_NAME}: eager attention was called without a mask (bidirectional).")
+            raise ValueError(f"{STREAMING_FIELD}: eager attention was called without a mask (bidirectional).")
         self.mask, self.window, self.device = mask, sliding_window(attn), hidden_states.device
         if self.window is not None and self.window >= self.seq_len:
             self.window = None  # a window longer than the sequence cuts nothing
@@ -154,7 +150,7 @@ class StreamedCall:
         # No mask, no window, no dropout: torch's lower-right causal bias (no [chunk, keys] mask tensor; SDPA picks
         # its causal kernels, aligned bottom-right) instead of a bool mask built per chunk.
         self.causal_bias = mask is None and self.window is None and not (attn.training and getattr(attn, "attention_dropout", 0.0))
-        chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD_NAME), config.hidden_size)
+        chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size)
         self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
         if self.flash:
             # Packing is given to each chunk as its own cu_seq_lens (FlashAttention masks per sequence itself).
@@ -201,7 +197,7 @@ class StreamedCall:
 
     def _not_streamable(self):
         return ValueError(
-            f"{STREAMING_FIELD_NAME}: {type(self.layer).__name__} cannot be streamed: its attention never called the "
+            f"{STREAMING_FIELD}: {type(self.layer).__name__} cannot be streamed: its attention never called the "
             "cache's `update` with its keys and values (e.g. linear attention or a layer that ignores the cache). "
             "Unset the field for this model."
         )
@@ -259,7 +255,7 @@ class _KeptInput:
 
 class StreamedLayerFunction(torch.autograd.Function):
     """Inputs: x [B, S, d], the `StreamedCall`, whether to keep x in host memory, the layer's parameters that require
-    grad (plain leaf parameters: mini_sequence/wrappers.py). Saves x (and the forward's K/V with KEEP_KEYS_VALUES)."""
+    grad (plain leaf parameters: mst_core/wrappers.py). Saves x (and the forward's K/V with KEEP_KEYS_VALUES)."""
 
     @staticmethod
     def forward(ctx, x, streamed, offload, *params):
@@ -276,7 +272,7 @@ class StreamedLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        refuse_create_graph("streaming backward", STREAMING_FIELD_NAME)
+        refuse_create_graph("streaming backward", STREAMING_FIELD)
         x = ctx.saved_input if ctx.saved_input is not None else _KeptInput(ctx.saved_tensors[0])
         streamed, params = ctx.streamed, ctx.params
         needs_x = ctx.needs_input_grad[0]
@@ -401,7 +397,7 @@ class StreamedLayerFunction(torch.autograd.Function):
 
 
 def _forward_with_checkpoints(streamed, x):
-    """Autograd fallback for layers whose weights a wrapper may swap (ZeRO-3, FSDP1: mini_sequence/wrappers.py): the
+    """Autograd fallback for layers whose weights a wrapper may swap (ZeRO-3, FSDP1: mst_core/wrappers.py): the
     layer checkpointed as a whole; inside, K/V of every chunk (layer stopped at the cache), then each chunk's
     output under its own checkpoint, reading those K/V. Every gradient goes through ordinary autograd."""
     from torch.utils.checkpoint import checkpoint
@@ -452,7 +448,7 @@ def _check_cache_is_empty(layer, cache) -> None:
     cached = cache.get_seq_length(layer.self_attn.layer_idx) if cache is not None else 0
     if cached:
         raise ValueError(
-            f"{STREAMING_FIELD_NAME}: the cache passed (`cache` / `past_key_values`) holds {cached} cached tokens, "
+            f"{STREAMING_FIELD}: the cache passed (`cache` / `past_key_values`) holds {cached} cached tokens, "
             "which a streamed layer cannot attend to (streamed training forwards neither read nor fill a cache). "
             "Train without a cache, or unset the field."
         )
@@ -465,7 +461,7 @@ def _check_no_zero3_moe(layer) -> None:
     config = layer.self_attn.config
     if config.model_type in MOE_MODEL_TYPES and any(hasattr(p, "ds_id") for p in layer.parameters()):
         raise ValueError(
-            f"{STREAMING_FIELD_NAME} is not supported on MoE models ({type(layer).__name__}) under DeepSpeed ZeRO-3 "
+            f"{STREAMING_FIELD} is not supported on MoE models ({type(layer).__name__}) under DeepSpeed ZeRO-3 "
             "yet: DeepSpeed's gradient reduction fails on the streamed layer's recompute. Use ZeRO-1/2 or FSDP, or "
             "unset the field (mini_sequence_chunk works under ZeRO-3)."
         )
@@ -480,7 +476,7 @@ def _check_captured_outputs(layer) -> None:
     inside = sorted(key for key in (collector or {}) if key not in ("hidden_states", "_hidden_states_layers"))
     if inside:
         raise ValueError(
-            f"{STREAMING_FIELD_NAME}: output_{inside[0]}=True is not supported in training with streaming backward "
+            f"{STREAMING_FIELD}: output_{inside[0]}=True is not supported in training with streaming backward "
             f"({type(layer).__name__} runs query chunk by query chunk, without graph in its forward: no whole "
             f"{inside[0]} tensor with gradients exists). Request them in eval mode, or unset the field."
         )
@@ -496,7 +492,7 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     hidden_states = arguments["hidden_states"]
     if hidden_states.shape[0] == 0 or hidden_states.shape[1] == 0:
         raise ValueError(
-            f"{STREAMING_FIELD_NAME}: the batch is empty (hidden_states of shape {tuple(hidden_states.shape)}); "
+            f"{STREAMING_FIELD}: the batch is empty (hidden_states of shape {tuple(hidden_states.shape)}); "
             "a training step needs at least one sequence of at least one token."
         )
     cache_name = "cache" if "cache" in signature.parameters else "past_key_values"

@@ -13,12 +13,12 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..mini_sequence.config import STREAMING_FIELD_NAME
+from ..mst_core.fields import STREAMING_FIELD
 
 
 # Attention functions that, called with mask=None, mask an offset query chunk causally themselves, aligned
 # bottom-right (FlashAttention's convention), so a chunk needs no mask tensor. Only the planner registers one
-# (mini_sequence/plan.py: its FlashAttention-like memory stand-in, whose step must not allocate a [chunk, keys] mask).
+# (mst_planner/plan.py: its FlashAttention-like memory stand-in, whose step must not allocate a [chunk, keys] mask).
 BOTTOM_RIGHT_CAUSAL_ATTENTION = set()
 
 
@@ -78,7 +78,7 @@ def plan_key_ranges(mask, chunks, window, seq_len):
         rows = mask[:, :, start:end]
         if mask_allows(rows[..., end:]) or mask_allows(rows[..., :kv_start]):
             raise ValueError(
-                f"{STREAMING_FIELD_NAME}: the attention mask lets query tokens {start}..{end - 1} see keys outside "
+                f"{STREAMING_FIELD}: the attention mask lets query tokens {start}..{end - 1} see keys outside "
                 f"their causal prefix [{kv_start}, {end}); streaming backward supports causal (and sliding-window) "
                 "masks only. Unset the field for this model."
             )
@@ -136,11 +136,11 @@ def packed_sequence_starts(mask, kwargs, batch, seq_len):
         cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
         if cu_q.shape != cu_k.shape or not bool((cu_q == cu_k).all()) or int(cu_q[-1]) != batch * seq_len:
             raise ValueError(
-                f"{STREAMING_FIELD_NAME}: cu_seq_lens_q and cu_seq_lens_k must both split the whole {batch} x {seq_len} "
+                f"{STREAMING_FIELD}: cu_seq_lens_q and cu_seq_lens_k must both split the whole {batch} x {seq_len} "
                 "tokens the same way (self-attention over packed sequences)."
             )
         if batch != 1:
-            raise ValueError(f"{STREAMING_FIELD_NAME}: packed sequences (cu_seq_lens) need batch size 1, got {batch}.")
+            raise ValueError(f"{STREAMING_FIELD}: packed sequences (cu_seq_lens) need batch size 1, got {batch}.")
         return cu_q[:-1].tolist()
     position_ids = kwargs.get("position_ids")
     if _is_packed_sequence(position_ids, batch):

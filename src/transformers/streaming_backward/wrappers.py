@@ -2,7 +2,7 @@
 
 It may when they are plain, hook-free leaf parameters while the layer runs (one process, DDP, PEFT LoRA, FSDP2 with
 decoder layers as units: its pre-forward hook has already swapped in unsharded plain parameters;
-mini_sequence/wrappers.py has the rules). When a wrapper may swap the weights inside the layer (ZeRO-3's
+mst_core/wrappers.py has the rules). When a wrapper may swap the weights inside the layer (ZeRO-3's
 per-module gathers, FSDP1's flat-parameter views, FSDP2 or accelerate hooks on the attention module), the layer
 takes the autograd fallback instead (layer.py `_forward_with_checkpoints`), so autograd delivers every gradient
 the wrapper expects.
@@ -10,7 +10,7 @@ the wrapper expects.
 
 import torch
 
-from ..mini_sequence.wrappers import _is_plain_parameter, function_parameters
+from ..mst_core.wrappers import _is_plain_parameter, function_parameters
 
 
 def layer_parameters(layer):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..mini_sequence.families import model_types
+from ..mst_core.families import model_types
 
 # Model types whose masks are exactly create_causal_mask / create_sliding_window_causal_mask of
 # (config, padding mask, position_ids), chosen by the attention module's `sliding_window` (families.py).

@@ -1,9 +1,9 @@
 """How long a sequence fits on a GPU? Estimated on a CPU, without weights.
 
-    python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 [--json]
-    python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 \
+    python -m transformers.mst_planner.plan --model llama3-8b --gpu-memory-gib 80 [--json]
+    python -m transformers.mst_planner.plan --model llama3-8b --gpu-memory-gib 80 \
         --gpus 8 --zero 3 --sp 8 --offload optimizer inputs   # per GPU of 8 (ZeRO-3, Ulysses)
-    python -m transformers.mini_sequence.plan --model llama3-8b --gpu-memory-gib 80 \
+    python -m transformers.mst_planner.plan --model llama3-8b --gpu-memory-gib 80 \
         --methods mini_sequence+streaming --seq-len 1048576     # does this length fit? (no search)
     ... --jobs 1                       # the methods' searches in one process (default: one per CPU core)
 
@@ -75,11 +75,11 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from ..streaming_backward import layer as streamed_layer
 from ..streaming_backward import masks as streamed_masks
 from ..streaming_backward import offload as streamed_offload
+from ..mst_core.families import streaming_model_types
+from ..mst_core.fields import validate_streaming_backward_chunk
+from ..mst_core.memory import LiveTensorTracker
+from ..mst_core.model_checks import MINI_SEQUENCE_MODEL_TYPES, TEXT_CONFIG_LM_HEAD_MODEL_TYPES
 from . import layer_phases
-from .config import validate_streaming_backward_chunk
-from .memory import LiveTensorTracker
-from .families import streaming_model_types
-from .support import MINI_SEQUENCE_MODEL_TYPES, TEXT_CONFIG_LM_HEAD_MODEL_TYPES
 
 
 GIB = 2**30
@@ -867,7 +867,7 @@ def _streaming_chunk_arg(value):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m transformers.mini_sequence.plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m transformers.mst_planner.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"{', '.join(BUILTIN)}, or a local config.json path")
     parser.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of each GPU")

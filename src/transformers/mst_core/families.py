@@ -1,8 +1,8 @@
 """The model families transformers-mst has a path for: one entry per `model_type`.
 
-Read by the model checks (`support.py`: which field applies where), the generic streamed layer (which families it
+Read by the model checks (`model_checks.py`: which field applies where), the generic streamed layer (which families it
 streams), Ulysses (whose masks it can rebuild) and the README's support matrix (`support_matrix()`, compared with
-README.md by tests/test_families.py). Imports nothing: support.py is imported by configuration_utils.
+README.md by tests/test_families.py). Imports nothing: model_checks.py, which reads it, is imported by configuration_utils.
 """
 
 from typing import NamedTuple

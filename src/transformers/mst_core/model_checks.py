@@ -6,10 +6,17 @@ Imported by modeling_utils and configuration_utils, so it imports nothing heavy.
 
 import inspect
 
-from ..adjoint_sharding.config import CHUNK_FIELD_NAME, TRUNCATION_FIELD_NAME, validate_adjoint_sharding
 from ..utils import logging
-from .config import FIELD_NAME, STREAMING_FIELD_NAME, validate_mini_sequence_chunk, validate_streaming_backward_chunk
 from .families import model_types, streaming_model_types
+from .fields import (
+    ADJOINT_CHUNK_FIELD,
+    ADJOINT_TRUNCATION_FIELD,
+    MINI_SEQUENCE_FIELD,
+    STREAMING_FIELD,
+    validate_adjoint_sharding,
+    validate_mini_sequence_chunk,
+    validate_streaming_backward_chunk,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -26,19 +33,19 @@ ADJOINT_MODEL_TYPES = model_types(adjoint=True)
 # Each field of ours -> the model types that have its path. Set on any other model type, a field is validated,
 # saved with the config and ignored, with a warning.
 FIELD_MODEL_TYPES = {
-    FIELD_NAME: model_types(mini_sequence=("mlp", "moe", "lm_head")),
-    STREAMING_FIELD_NAME: STREAMING_MODEL_TYPES,
-    CHUNK_FIELD_NAME: ADJOINT_MODEL_TYPES,
-    TRUNCATION_FIELD_NAME: ADJOINT_MODEL_TYPES,
+    MINI_SEQUENCE_FIELD: model_types(mini_sequence=("mlp", "moe", "lm_head")),
+    STREAMING_FIELD: STREAMING_MODEL_TYPES,
+    ADJOINT_CHUNK_FIELD: ADJOINT_MODEL_TYPES,
+    ADJOINT_TRUNCATION_FIELD: ADJOINT_MODEL_TYPES,
 }
 CONFIG_FIELDS = tuple(FIELD_MODEL_TYPES)
 
 
 def validate_fields(config) -> None:
     """Raise ``ValueError`` naming the field for any invalid value of ours on ``config`` (absent fields are None)."""
-    validate_mini_sequence_chunk(getattr(config, FIELD_NAME, None))
-    validate_streaming_backward_chunk(getattr(config, STREAMING_FIELD_NAME, None))
-    validate_adjoint_sharding(getattr(config, CHUNK_FIELD_NAME, None), getattr(config, TRUNCATION_FIELD_NAME, None))
+    validate_mini_sequence_chunk(getattr(config, MINI_SEQUENCE_FIELD, None))
+    validate_streaming_backward_chunk(getattr(config, STREAMING_FIELD, None))
+    validate_adjoint_sharding(getattr(config, ADJOINT_CHUNK_FIELD, None), getattr(config, ADJOINT_TRUNCATION_FIELD, None))
 
 
 def check_model(model) -> None:
@@ -64,7 +71,7 @@ def check_model(model) -> None:
     # A composite model (LLaVA & co) with the flag on its text config: the language model's MLP is
     # split, but the composite's own LM head + loss is upstream's. Say so rather than half-apply it.
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    text_value = getattr(text_config, FIELD_NAME, None)
+    text_value = getattr(text_config, MINI_SEQUENCE_FIELD, None)
     lm_head_types = MINI_SEQUENCE_MODEL_TYPES + TEXT_CONFIG_LM_HEAD_MODEL_TYPES
     if text_config is not config and text_value is not None and model_type not in lm_head_types:
         logger.warning_once(
@@ -103,15 +110,15 @@ def _replaced_paths(model) -> list[str]:
 
     config = model.config
     found = []
-    if getattr(config, FIELD_NAME, None) is not None:
+    if getattr(config, MINI_SEQUENCE_FIELD, None) is not None:
         if hasattr(model, "lm_head"):
-            found += _bypassed(f"{FIELD_NAME}: the chunked LM head + loss", [model])
-        found += _bypassed(f"{FIELD_NAME}: the mini-sequence MLP", _named(model, "mlp"))
-    if getattr(config, STREAMING_FIELD_NAME, None) is not None:
+            found += _bypassed(f"{MINI_SEQUENCE_FIELD}: the chunked LM head + loss", [model])
+        found += _bypassed(f"{MINI_SEQUENCE_FIELD}: the mini-sequence MLP", _named(model, "mlp"))
+    if getattr(config, STREAMING_FIELD, None) is not None:
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-        found += _bypassed(f"{STREAMING_FIELD_NAME}: streamed layers", layers)
-    if getattr(config, CHUNK_FIELD_NAME, None) is not None:
-        found += _bypassed(f"{CHUNK_FIELD_NAME}: the adjoint scan", _named(model, "mixer"))
+        found += _bypassed(f"{STREAMING_FIELD}: streamed layers", layers)
+    if getattr(config, ADJOINT_CHUNK_FIELD, None) is not None:
+        found += _bypassed(f"{ADJOINT_CHUNK_FIELD}: the adjoint scan", _named(model, "mixer"))
     return found
 
 
