@@ -42,15 +42,15 @@ def test_fake_peak_equals_real_peak_on_the_generic_streamed_layer(method):
 
 
 def test_importing_the_planner_registers_nothing():
-    """The planner's stand-in attention reaches upstream's interfaces and the streamed layers' bottom-right set
-    only when a plan is built, not on import."""
+    """The planner's stand-in attention reaches upstream's interfaces only when a plan is built, not on import;
+    it tells the streamed layers that it masks offset chunks itself through its own attribute (masks.py)."""
     code = ("from transformers import AttentionInterface; from transformers.streaming_backward import masks; "
             "import transformers.mst_planner.plan as plan; "
             "assert not any(n.startswith(plan.ATTENTION) for n in AttentionInterface._global_mapping); "
-            "assert not any(n.startswith(plan.ATTENTION) for n in masks.BOTTOM_RIGHT_CAUSAL_ATTENTION); "
+            "assert not masks.masks_offset_chunk_itself(plan.ATTENTION); "
             "plan.Planner(plan.load_config('llama3-8b'), optimizer='none'); "
             "assert plan.ATTENTION in AttentionInterface._global_mapping; "
-            "assert plan.ATTENTION in masks.BOTTOM_RIGHT_CAUSAL_ATTENTION; print('ok')")
+            "assert masks.masks_offset_chunk_itself(plan.ATTENTION); print('ok')")
     result = run_py(["-c", code], check=True)
     assert result.stdout.strip().endswith("ok"), result.stdout
 
@@ -239,7 +239,7 @@ def test_zero3_gathers_one_module_at_a_time(monkeypatch):
     config = transformers.LlamaConfig(**GQA)
     # Both on the wrapper path: ZeRO-3's hooks send the chunked MLP and loss there (as real ZeRO-3's partitioned
     # parameters do); ZeRO-2's plain parameters would take the lighter Function path, not what is compared here.
-    monkeypatch.setattr(wrappers, "_is_plain_parameter", lambda param: False)
+    monkeypatch.setattr(wrappers, "is_plain_parameter", lambda param: False)
     zero2 = plan.Planner(config, parallel=plan.Parallel(1, 2, 1)).step_peak_bytes("mini_sequence+checkpointing", 2048)
     zero3 = plan.Planner(config, parallel=plan.Parallel(1, 3, 1)).step_peak_bytes("mini_sequence+checkpointing", 2048)
     head_bytes = TINY["vocab_size"] * TINY["hidden_size"] * 2
@@ -375,12 +375,12 @@ def test_planner_parameters_take_the_function_path():
         assert layer_parameters(layer) is not None
         # Still not plain: a fake leaf that is not a parameter, a non-leaf, a ZeRO-3 (ds_id) parameter.
         weight = layer.mlp.up_proj.weight
-        assert wrappers._is_plain_parameter(weight)
-        assert not wrappers._is_plain_parameter(torch.empty(3, requires_grad=True))
-        assert not wrappers._is_plain_parameter(weight * 2)
+        assert wrappers.is_plain_parameter(weight)
+        assert not wrappers.is_plain_parameter(torch.empty(3, requires_grad=True))
+        assert not wrappers.is_plain_parameter(weight * 2)
         zero3 = torch.nn.Parameter(torch.empty(3))
         zero3.ds_id = 0
-        assert not wrappers._is_plain_parameter(zero3)
+        assert not wrappers.is_plain_parameter(zero3)
 
 
 def test_seq_len_evaluates_given_lengths_without_search(capsys, tiny_config):

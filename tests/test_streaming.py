@@ -236,6 +236,16 @@ def test_wrapper_path_exact(family, monkeypatch):
     compare_streaming(family, 7, seed_of(family, "wrapped"), model_kwargs={"mini_sequence_chunk": 6})
 
 
+def keep_offloaded_inputs_in(model, storage):
+    """The layers whose checkpointing was enabled with offload=True keep their inputs in `storage` (the extension
+    point of streaming_backward/offload.py: the checkpointing function's `offload` tag may be a storage)."""
+    for layer in model.modules():
+        function = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) and getattr(function, "offload", False):
+            function.offload = storage
+    return model
+
+
 class RecordingHostStorage(offload.HostStorage):
     """The library's host storage, recording what it saves and which rows it brings back."""
 
@@ -261,10 +271,9 @@ def test_offloaded_input_read_back_by_chunks(family):
 
     def prepare(model):
         model.activation_checkpointing_enable(offload=model.config.streaming_backward_chunk is not None)
-        return model
+        return keep_offloaded_inputs_in(model, storage)
 
-    with offload.use_host_storage(storage):
-        compare_streaming(family, 7, seed_of(family, "offload"), prepare=prepare, model_kwargs={"mini_sequence_chunk": 6})
+    compare_streaming(family, 7, seed_of(family, "offload"), prepare=prepare, model_kwargs={"mini_sequence_chunk": 6})
     ids = batch(seed_of(family, "offload"))[0]
     assert storage.saved == [tuple(ids.shape) + (COMMON["hidden_size"],)] * COMMON["num_hidden_layers"]
     # Per layer: the backward's K/V pass (in order), then each chunk's recompute (the first chunk, whose left-padding
@@ -282,8 +291,7 @@ def test_offload_follows_the_checkpointed_layers():
         model = make_model("llama", streaming_backward_chunk=7)
         if enable is not None:
             model.activation_checkpointing_enable(**enable)
-        with offload.use_host_storage(storage):
-            train_step(model, *batch(seed_of("every_n", expected)))
+        train_step(keep_offloaded_inputs_in(model, storage), *batch(seed_of("every_n", expected)))
         assert len(storage.saved) == expected, enable
 
 

@@ -74,7 +74,7 @@ import torch.nn.functional as F
 
 from ..mst_core.grads import accumulate_grads, add_linear_weight_grad
 from ..mst_core.wrappers import (
-    _is_plain_parameter,
+    is_plain_parameter,
     call_hooks_once,
     check_graph_inputs,
     checkpointed_chunks,
@@ -314,7 +314,7 @@ def _can_use_linear_cross_entropy(lm_head, hidden, softcap, vocab_size) -> bool:
         return False
     # A registered leaf nn.Parameter (or its FakeTensor twin under FakeTensorMode): no subclass (DTensor, quantized
     # weight) and no view installed by a wrapper (FSDP1), which the fused op could not be handed while compiling.
-    return _is_plain_parameter(weight) and weight.device == hidden.device
+    return is_plain_parameter(weight) and weight.device == hidden.device
 
 
 def divide_loss_sum(loss_sum: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:

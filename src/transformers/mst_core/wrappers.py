@@ -52,13 +52,13 @@ def _has_hooks(module: torch.nn.Module, harmless_hook=None) -> bool:
     )
 
 
-def _is_plain_parameter(param: torch.Tensor) -> bool:
+def is_plain_parameter(param: torch.Tensor) -> bool:
     if not param.is_leaf or hasattr(param, "ds_id"):
         return False  # non-leaf views; DeepSpeed ZeRO-3 partitioned parameter
     if type(param) is torch.nn.Parameter:
         return True
-    # Under FakeTensorMode (the planner) `nn.Parameter(fake)` stays a FakeTensor flagged `_is_param`: the
-    # fake twin of a plain parameter. Other subclasses (DTensor: FSDP2 sharded) are not plain.
+    # Under FakeTensorMode (any run on fake tensors; the planner's is one) `nn.Parameter(fake)` stays a FakeTensor
+    # flagged `_is_param`: the fake twin of a plain parameter. Other subclasses (DTensor: FSDP2 sharded) are not plain.
     return type(param) is FakeTensor and getattr(param, "_is_param", False)
 
 
@@ -83,7 +83,7 @@ def function_parameters(module: torch.nn.Module, harmless_hook=None) -> list | N
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 return None
     params = [p for p in module.parameters() if p.requires_grad]
-    if not all(_is_plain_parameter(p) for p in params):
+    if not all(is_plain_parameter(p) for p in params):
         return None
     return params
 

@@ -211,6 +211,10 @@ def _flash_like_attention(module, query, key, value, attention_mask, s_aux=None,
     return _FlashLikeAttention.apply(query, key, value, s_aux).transpose(1, 2).contiguous(), None
 
 
+# Streamed layers call it per query chunk with mask=None, as FlashAttention (bottom-right causal) is called.
+setattr(_flash_like_attention, streamed_masks.BOTTOM_RIGHT_CAUSAL, True)
+
+
 
 
 def _send_buffer(tensor):
@@ -273,8 +277,6 @@ def _attention_name(sp):
         attention = _flash_like_attention if sp == 1 else functools.partial(_ulysses_attention, sp=sp)
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, flash_attention_mask)  # no mask tensor without padding
-        # Streamed layers call it per query chunk with mask=None, as FlashAttention (bottom-right causal) is called.
-        streamed_masks.BOTTOM_RIGHT_CAUSAL_ATTENTION.add(name)
     return name
 
 
@@ -577,6 +579,9 @@ class Planner:
         if method.streaming_backward_chunk is not None and "inputs" in self.parallel.offload:
             # What a user does: checkpointing with offload, which streaming replaces and honours (HostStorage).
             model.activation_checkpointing_enable(offload=True)
+            for layer in model.modules():  # the streamed layers keep their inputs in the stand-in (offload.py)
+                if getattr(layer, "gradient_checkpointing", False):
+                    layer._gradient_checkpointing_func.offload = hooks
             if not any(streamed_layer.applies(m) and streamed_offload.offload_requested(m) for m in model.modules()):
                 raise PlanError(f"{type(model).__name__}: no streamed decoder layers found for --offload inputs")
         elif checkpointing and "inputs" in self.parallel.offload:
@@ -614,7 +619,7 @@ class Planner:
         with FakeTensorMode() if fake else contextlib.nullcontext():
             model, hooks = self._build(METHODS[method], depth)
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
-            with LiveTensorTracker(keep_largest=0) as tracker, streamed_offload.use_host_storage(hooks):
+            with LiveTensorTracker(keep_largest=0) as tracker:
                 recorder = None if depth is None else layer_phases.PhaseRecorder(tracker, hooks, *_decoder_stack(model))
                 model(input_ids=ids, labels=ids).loss.backward()
                 phases = None if recorder is None else recorder.finish()

@@ -41,14 +41,14 @@ from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
 from .config import streaming_chunk_size
 from .cache import BackwardCache, FixedCache, JoinedCache, RecordingCache, StopAfterKeysValues
-from .offload import SavedInput, offload_requested
+from .offload import SavedInput, input_storage
 from .rows import RowBlocks, row_blocks
 from .wrappers import layer_parameters
 from .masks import (
-    BOTTOM_RIGHT_CAUSAL_ATTENTION,
     FLASH_VARLEN_KWARGS,
     chunk_mask,
     flash_chunk_mask,
+    masks_offset_chunk_itself,
     packed_sequence_starts,
     plan_flash_chunks,
     plan_key_ranges,
@@ -98,8 +98,7 @@ class StreamedCall:
         hidden_states = arguments.pop("hidden_states")
         self.batch, self.seq_len = hidden_states.shape[:2]
         implementation = config._attn_implementation
-        # The planner's FlashAttention-like stand-in masks an offset chunk bottom-right itself (mst_planner/plan.py).
-        self.bottom_right = implementation in BOTTOM_RIGHT_CAUSAL_ATTENTION
+        self.bottom_right = implementation not in SUPPORTED_ATTENTION and masks_offset_chunk_itself(implementation)
         if implementation not in SUPPORTED_ATTENTION and not self.bottom_right:
             raise ValueError(
                 f"{STREAMING_FIELD} is set but {type(layer).__name__} uses attn_implementation={implementation!r}; "
@@ -258,11 +257,11 @@ class StreamedLayerFunction(torch.autograd.Function):
     grad (plain leaf parameters: mst_core/wrappers.py). Saves x (and the forward's K/V with KEEP_KEYS_VALUES)."""
 
     @staticmethod
-    def forward(ctx, x, streamed, offload, *params):
+    def forward(ctx, x, streamed, storage, *params):
         ctx.autocast_state = capture_autocast_state(x.device.type)
         ctx.streamed, ctx.params = streamed, params
-        if offload:
-            ctx.saved_input = SavedInput(x)
+        if storage is not None:
+            ctx.saved_input = SavedInput(x, storage)
         else:
             ctx.save_for_backward(x)
             ctx.saved_input = None
@@ -504,10 +503,10 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     # The attention module is called (its hooks run); hooks other than output capturing may swap its weights
     # (FSDP2 `fully_shard` on it, accelerate): then ordinary autograd takes every gradient (the fallback).
     params = layer_parameters(layer)
-    offload = offload_requested(layer)
+    storage = input_storage(layer)
     if params is None:
         _check_no_zero3_moe(layer)
-        if not offload:
+        if storage is None:
             return _forward_with_checkpoints(streamed, hidden_states)
         on_accelerator = hidden_states.device.type != "cpu"
         with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
@@ -515,4 +514,4 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     if not (hidden_states.requires_grad or params):
         with torch.no_grad():
             return streamed.run(hidden_states)[0]
-    return StreamedLayerFunction.apply(hidden_states, streamed, offload, *params)
+    return StreamedLayerFunction.apply(hidden_states, streamed, storage, *params)

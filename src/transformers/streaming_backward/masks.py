@@ -16,10 +16,18 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..mst_core.fields import STREAMING_FIELD
 
 
-# Attention functions that, called with mask=None, mask an offset query chunk causally themselves, aligned
-# bottom-right (FlashAttention's convention), so a chunk needs no mask tensor. Only the planner registers one
-# (mst_planner/plan.py: its FlashAttention-like memory stand-in, whose step must not allocate a [chunk, keys] mask).
-BOTTOM_RIGHT_CAUSAL_ATTENTION = set()
+# Extension point: an attention function registered with `AttentionInterface` whose attribute of this name is True,
+# called with mask=None, masks an offset query chunk causally itself, aligned bottom-right (FlashAttention's
+# convention), so a chunk needs no mask tensor. The planner's FlashAttention-like memory stand-in sets it
+# (mst_planner/plan.py: its step must not allocate a [chunk, keys] mask).
+BOTTOM_RIGHT_CAUSAL = "masks_offset_chunk_bottom_right"
+
+
+def masks_offset_chunk_itself(implementation: str) -> bool:
+    """Whether the attention function registered as `implementation` says it masks offset chunks itself."""
+    from ..modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return bool(getattr(ALL_ATTENTION_FUNCTIONS.get(implementation), BOTTOM_RIGHT_CAUSAL, False))
 
 
 def lower_right_causal_bias(q_len: int, kv_len: int):

@@ -2,15 +2,13 @@
 memory when checkpointing was enabled with offload=True (`activation_checkpointing_enable(offload=True)`, which
 streaming replaces for the layers it streams); the backward reads it back one chunk of rows at a time."""
 
-import contextlib
-
 import torch
 
 
 class HostStorage:
     """An offloaded streamed layer's input: a host copy (pinned when the input is on an accelerator, as upstream's
     `save_on_cpu(pin_memory=True)` does), read back by row ranges. The copies run on the current stream, like
-    upstream's offload. The planner swaps in a stand-in (`use_host_storage`) that holds no bytes and counts them."""
+    upstream's offload."""
 
     def save(self, x: torch.Tensor):
         pinnable = x.device.type != "cpu" and torch.get_device_module(x.device).is_available()
@@ -23,26 +21,13 @@ class HostStorage:
         return saved[:, start:end].to(device, non_blocking=saved.is_pinned())
 
 
-HOST_STORAGE = [HostStorage()]  # the one in use: the last
-
-
-@contextlib.contextmanager
-def use_host_storage(storage):
-    """Offloaded streamed layers use `storage` (an object with `save` and `load`) inside."""
-    HOST_STORAGE.append(storage)
-    try:
-        yield storage
-    finally:
-        HOST_STORAGE.remove(storage)
-
-
 class SavedInput:
     """A streamed layer's input in host memory, read back rows [start, end) at a time."""
 
-    def __init__(self, x: torch.Tensor):
+    def __init__(self, x: torch.Tensor, storage):
         self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
-        self.storage = HOST_STORAGE[-1]
-        self.saved = self.storage.save(x)
+        self.storage = storage
+        self.saved = storage.save(x)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         return self.storage.load(self.saved, start, end, self.device)
@@ -52,3 +37,13 @@ def offload_requested(layer) -> bool:
     """Whether the layer's checkpointing, which streaming replaces, was enabled with offload=True (upstream's
     `activation_checkpointing_enable` tags the function it installs; patch 0013)."""
     return bool(layer.gradient_checkpointing and getattr(layer._gradient_checkpointing_func, "offload", False))
+
+
+def input_storage(layer):
+    """Where the streamed layer keeps its input for backward: None (on its device) unless offload was requested;
+    then a `HostStorage`, or the tag itself when it is an object with `save` and `load` like HostStorage's. That is
+    an extension point: the planner tags the function with a stand-in that holds no bytes and counts them."""
+    if not offload_requested(layer):
+        return None
+    tag = layer._gradient_checkpointing_func.offload
+    return tag if hasattr(tag, "save") and hasattr(tag, "load") else HostStorage()

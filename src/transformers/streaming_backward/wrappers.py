@@ -10,7 +10,7 @@ the wrapper expects.
 
 import torch
 
-from ..mst_core.wrappers import _is_plain_parameter, function_parameters
+from ..mst_core.wrappers import function_parameters, is_plain_parameter
 
 
 def layer_parameters(layer):
@@ -35,7 +35,7 @@ def layer_parameters(layer):
                 return None  # a weight installed as a plain attribute (FSDP1's parameter views)
         for param in owner.parameters(recurse=False):
             if param.requires_grad:
-                if not _is_plain_parameter(param):
+                if not is_plain_parameter(param):
                     return None  # FSDP1's FlatParameter, a DTensor, a ZeRO-3 parameter
                 params.append(param)
     return params
