@@ -51,29 +51,27 @@ import transformers
 from transformers.adjoint_sharding import shard_tokens
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.mini_sequence import mini_sequence_causal_lm_loss, mini_sequence_mlp
-from transformers.mst_core.memory import LiveTensorTracker
-from transformers.mst_core.memory import resident_training_bytes
+from transformers.mst_core.families import FAMILIES as REGISTRY
+from transformers.mst_core.memory import LiveTensorTracker, resident_training_bytes
 from transformers.mst_planner.plan import METHODS, Method  # name -> (mini_sequence_chunk, checkpointing, streaming)
 
+# Per family: overrides of BASE (class names: the registry, transformers/mst_core/families.py).
 FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "llama": {},
+    "qwen2": {},
+    "mistral": {"sliding_window": None},
     # Gemma-2 has no SDPA path upstream (softcapped attention) and flex attention has no CPU
     # backward: on CPU it runs eager attention, whose [heads, S, S] scores are in its peak.
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 64}),
+    "gemma2": {"head_dim": 64},
     # The newer families (`families` sweep): q/k norms, fused projections, windows, MoE blocks (8 experts, top 2).
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
+    "qwen3": {"head_dim": 64},
     # Their default pad/eos ids (32000, 50279) are outside BASE's vocabulary.
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"eos_token_id": 2}),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 64, "sliding_window": 512}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2,
-                                                        "sliding_window": None}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
-                                                           "moe_intermediate_size": 256}),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2,
-                                                      "sliding_window": 512}),
+    "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "olmo2": {"eos_token_id": 2},
+    "gemma3_text": {"head_dim": 64, "sliding_window": 512},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen3_moe": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256},
+    "gpt_oss": {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 512},
 }
 # Llama-style small config: big vocabulary and MLP relative to d, as in real models.
 BASE = dict(hidden_size=256, intermediate_size=1024, vocab_size=32000, num_hidden_layers=2,
@@ -106,13 +104,13 @@ def device_of(name):
 
 
 def build(family, chunk, checkpointing, device, dtype=torch.float32, streaming=None, **overrides):
-    config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**BASE, **extra, **overrides}, mini_sequence_chunk=chunk,
+    family_classes, extra = REGISTRY[family], FAMILIES[family]
+    config = getattr(transformers, family_classes.config_class)(**{**BASE, **extra, **overrides}, mini_sequence_chunk=chunk,
                                                 streaming_backward_chunk=streaming)
     if device.type == "cuda" and family != "gemma2":
         config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).to(device=device, dtype=dtype).train()
+    model = getattr(transformers, family_classes.model_class)(config).to(device=device, dtype=dtype).train()
     if checkpointing:
         model.gradient_checkpointing_enable()
     return model

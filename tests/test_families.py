@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import tiny_models
+import transformers
 from transformers.mst_core import families
 from transformers.mst_core import model_checks
 from transformers.ulysses import masks as ulysses
@@ -28,6 +29,22 @@ def test_every_family_has_a_tiny_test_config():
     tiny = set(tiny_models.FAMILIES) | set(tiny_models.NEW_FAMILIES) | set(tiny_models.SSM_FAMILIES)
     # gemma3 (multimodal) is built around gemma3_text's tiny config in tests/test_new_families.py.
     assert tiny | {"gemma3"} == set(families.FAMILIES)
+    assert [t for t, family in families.FAMILIES.items() if family.tiny is None] == ["gemma3"]
+
+
+@pytest.mark.parametrize("model_type", sorted(families.FAMILIES))
+def test_registry_classes_are_the_model_types(model_type):
+    """The registry's class names exist and are the classes of that model_type."""
+    family = families.FAMILIES[model_type]
+    assert getattr(transformers, family.config_class).model_type == model_type
+    assert getattr(transformers, family.model_class).config_class is getattr(transformers, family.config_class)
+
+
+@pytest.mark.parametrize("name", sorted(families.CHECKPOINTS))
+def test_planner_checkpoints_build_their_family_config(name):
+    model_type, values = families.CHECKPOINTS[name]
+    config = getattr(transformers, families.FAMILIES[model_type].config_class)(**values)
+    assert config.model_type == model_type and config.hidden_size == values["hidden_size"]
 
 
 @pytest.mark.parametrize("model_type", sorted(families.FAMILIES))

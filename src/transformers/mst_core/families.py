@@ -1,7 +1,9 @@
-"""The model families transformers-mst has a path for: one entry per `model_type`.
+"""The model families transformers-mst has a path for: one entry per `model_type`, and the full-size checkpoints
+the planner knows by name.
 
 Read by the model checks (`model_checks.py`: which field applies where), the generic streamed layer (which families it
-streams), Ulysses (whose masks it can rebuild) and the README's support matrix (`support_matrix()`, compared with
+streams), Ulysses (whose masks it can rebuild), the planner (`CHECKPOINTS`), the bench (class names), the tests
+(`tests/tiny_models.py`: the tiny configs) and the README's support matrix (`support_matrix()`, compared with
 README.md by tests/test_families.py). Imports nothing: model_checks.py, which reads it, is imported by configuration_utils.
 """
 
@@ -10,6 +12,8 @@ from typing import NamedTuple
 
 class Family(NamedTuple):
     name: str  # as the README names it
+    config_class: str  # transformers' configuration class
+    model_class: str  # the model class trained with a language-modelling loss (`*ForCausalLM`, or the composite's)
     # What mini_sequence_chunk chunks: "mlp" (MLP, final norm, LM head + loss), "moe" (the same with MoE blocks by
     # token chunks), "lm_head" (LM head + loss only: state-space models), "text_config" (a composite whose text
     # config carries the field), or None.
@@ -20,27 +24,97 @@ class Family(NamedTuple):
     no_streaming: str = "ignored"  # the README's word where streaming_attention is ()
     ulysses: bool = False  # Ulysses rebuilds this family's whole-sequence masks exactly
     adjoint: bool = False  # adjoint_sharding_chunk / adjoint_truncation
+    # The tests' tiny model: these values over TINY (TINY_SSM for state-space models); None where the tests build it
+    # from another family's (Gemma-3 multimodal around gemma3_text's).
+    tiny: dict | None = None
 
 
 _ATTENTION = ("sdpa", "eager", "flash_attention_2")
 
 FAMILIES = {
-    "llama": Family("Llama", "mlp", _ATTENTION, ulysses=True),
-    "qwen2": Family("Qwen2", "mlp", _ATTENTION, ulysses=True),
-    "mistral": Family("Mistral", "mlp", _ATTENTION, ulysses=True),
+    "llama": Family("Llama", "LlamaConfig", "LlamaForCausalLM", "mlp", _ATTENTION, ulysses=True, tiny={}),
+    "qwen2": Family("Qwen2", "Qwen2Config", "Qwen2ForCausalLM", "mlp", _ATTENTION, ulysses=True, tiny={}),
+    "mistral": Family("Mistral", "MistralConfig", "MistralForCausalLM", "mlp", _ATTENTION, ulysses=True, tiny={}),
     # Gemma-2's softcapped attention has no SDPA path upstream.
-    "gemma2": Family("Gemma-2", "mlp", ("eager", "flash_attention_2"), ulysses=True),
-    "qwen3": Family("Qwen3", "mlp", _ATTENTION, ulysses=True),
-    "phi3": Family("Phi-3", "mlp", _ATTENTION, ulysses=True),
-    "olmo2": Family("OLMo-2", "mlp", _ATTENTION),
-    "gemma3_text": Family("Gemma-3 text", "mlp", _ATTENTION, ulysses=True),
-    "mixtral": Family("Mixtral", "moe", _ATTENTION),
-    "qwen3_moe": Family("Qwen3-MoE", "moe", _ATTENTION),
+    "gemma2": Family("Gemma-2", "Gemma2Config", "Gemma2ForCausalLM", "mlp", ("eager", "flash_attention_2"),
+                     ulysses=True, tiny={"head_dim": 8, "final_logit_softcapping": 30.0}),
+    "qwen3": Family("Qwen3", "Qwen3Config", "Qwen3ForCausalLM", "mlp", _ATTENTION, ulysses=True, tiny={"head_dim": 8}),
+    "phi3": Family("Phi-3", "Phi3Config", "Phi3ForCausalLM", "mlp", _ATTENTION, ulysses=True,
+                   tiny={"bos_token_id": 1, "eos_token_id": 2}),
+    "olmo2": Family("OLMo-2", "Olmo2Config", "Olmo2ForCausalLM", "mlp", _ATTENTION, tiny={"eos_token_id": 2}),
+    # Tiny: a sliding window (8) shorter than the test sequences, on one layer of two; a softcap (2.0) that bends the
+    # tiny logits (at 30 a softcap left out of the chunked loss moved the gradients by only ~3e-5).
+    "gemma3_text": Family("Gemma-3 text", "Gemma3TextConfig", "Gemma3ForCausalLM", "mlp", _ATTENTION, ulysses=True,
+                          tiny={"head_dim": 8, "final_logit_softcapping": 2.0, "sliding_window": 8,
+                                "layer_types": ["sliding_attention", "full_attention"]}),
+    # Tiny MoE: 4 experts, top-2; the auxiliary loss weighted 1.0 so that its gradient counts in the comparisons.
+    "mixtral": Family("Mixtral", "MixtralConfig", "MixtralForCausalLM", "moe", _ATTENTION,
+                      tiny={"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 1.0}),
+    # Tiny: layer 0 dense (Qwen3MoeMLP), layer 1 sparse.
+    "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "moe", _ATTENTION,
+                        tiny={"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                              "norm_topk_prob": True, "mlp_only_layers": [0], "router_aux_loss_coef": 1.0}),
     # GPT-OSS: sinks; upstream has no SDPA path, and its FlashAttention needs a kernel with sinks (not flash-attn).
-    "gpt_oss": Family("GPT-OSS", "moe", ("eager",)),
-    "gemma3": Family("Gemma-3 multimodal", "text_config", no_streaming="not tried"),
-    "mamba": Family("Mamba", "lm_head", adjoint=True),
-    "falcon_mamba": Family("FalconMamba", "lm_head", adjoint=True),
+    # Tiny: alternating sliding (window 8) and full attention layers.
+    "gpt_oss": Family("GPT-OSS", "GptOssConfig", "GptOssForCausalLM", "moe", ("eager",),
+                      tiny={"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                            "router_aux_loss_coef": 1.0}),
+    "gemma3": Family("Gemma-3 multimodal", "Gemma3Config", "Gemma3ForConditionalGeneration", "text_config",
+                     no_streaming="not tried"),
+    "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", adjoint=True, tiny={}),
+    "falcon_mamba": Family("FalconMamba", "FalconMambaConfig", "FalconMambaForCausalLM", "lm_head", adjoint=True,
+                           tiny={}),
+}
+
+# The tests' tiny models (tests/tiny_models.py): shared sizes, per family `Family.tiny` on top.
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+TINY_SSM = dict(vocab_size=128, hidden_size=32, state_size=8, expand=2, num_hidden_layers=2, pad_token_id=0)
+
+# The planner's full-size shapes (`--model NAME`): name -> (model_type, the released checkpoint's config.json values).
+CHECKPOINTS = {
+    "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)),
+    "llama2-7b": ("llama", dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32)),
+    "qwen2-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                               num_attention_heads=28, num_key_value_heads=4)),
+    "mistral-7b": ("mistral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, sliding_window=4096)),
+    # Qwen/Qwen3-8B: q/k norms; the model of StreamBP's Table 3 (arXiv 2506.03077).
+    "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)),
+    "gemma2-9b": ("gemma2", dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                                 sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                                 tie_word_embeddings=True)),
+    # Qwen/Qwen3-14B, Qwen/Qwen3-32B (dense, q/k norms, untied head).
+    "qwen3-14b": ("qwen3", dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                                num_attention_heads=40, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)),
+    "qwen3-32b": ("qwen3", dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)),
+    # google/gemma-3-12b-it and -27b-it: their config.json's text_config (the planner plans the text stack); five
+    # sliding-window (1024) layers per full-attention one (Gemma3TextConfig's default pattern), tied head.
+    "gemma3-12b": ("gemma3_text", dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                                       num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+                                       head_dim=256, query_pre_attn_scalar=256, sliding_window=1024)),
+    "gemma3-27b": ("gemma3_text", dict(vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+                                       num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+                                       head_dim=128, query_pre_attn_scalar=168, sliding_window=1024)),
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, 8 per token, in every layer.
+    "qwen3-30b-a3b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                        rope_theta=1000000.0)),
+    # openai/gpt-oss-20b: 32 experts, 4 per token; sliding (128) and full attention layers alternate.
+    "gpt-oss-20b": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False)),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token; no sliding window.
+    "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=None, rope_theta=1000000.0)),
 }
 
 

@@ -75,7 +75,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 from ..streaming_backward import layer as streamed_layer
 from ..streaming_backward import masks as streamed_masks
 from ..streaming_backward import offload as streamed_offload
-from ..mst_core.families import streaming_model_types
+from ..mst_core.families import CHECKPOINTS, FAMILIES, streaming_model_types
 from ..mst_core.fields import validate_streaming_backward_chunk
 from ..mst_core.memory import LiveTensorTracker
 from ..mst_core.model_checks import MINI_SEQUENCE_MODEL_TYPES, TEXT_CONFIG_LM_HEAD_MODEL_TYPES
@@ -105,51 +105,6 @@ METHODS = {
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw-bf16": 4, "adamw-fp32-master": 12, "none": 0}
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_CHOICES = ("optimizer", "inputs")  # optimizer states / checkpointed layer inputs in host memory
-# Public config.json values of the released checkpoints.
-BUILTIN = {
-    "llama3-8b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)),
-    "llama2-7b": ("LlamaConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                      num_attention_heads=32, num_key_value_heads=32)),
-    "qwen2-7b": ("Qwen2Config", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                     num_attention_heads=28, num_key_value_heads=4)),
-    "mistral-7b": ("MistralConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                         num_attention_heads=32, num_key_value_heads=8, sliding_window=4096)),
-    # Qwen/Qwen3-8B: q/k norms; the model of StreamBP's Table 3 (arXiv 2506.03077).
-    "qwen3-8b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)),
-    "gemma2-9b": ("Gemma2Config", dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
-                                       num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-                                       query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
-                                       attn_logit_softcapping=50.0, tie_word_embeddings=True)),
-    # Qwen/Qwen3-14B, Qwen/Qwen3-32B (dense, q/k norms, untied head).
-    "qwen3-14b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
-                                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)),
-    "qwen3-32b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0)),
-    # google/gemma-3-12b-it and -27b-it: their config.json's text_config (the planner plans the text stack); five
-    # sliding-window (1024) layers per full-attention one (Gemma3TextConfig's default pattern), tied head.
-    "gemma3-12b": ("Gemma3TextConfig", dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360,
-                                            num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
-                                            head_dim=256, query_pre_attn_scalar=256, sliding_window=1024)),
-    "gemma3-27b": ("Gemma3TextConfig", dict(vocab_size=262208, hidden_size=5376, intermediate_size=21504,
-                                            num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
-                                            head_dim=128, query_pre_attn_scalar=168, sliding_window=1024)),
-    # Qwen/Qwen3-30B-A3B: 128 experts of 768, 8 per token, in every layer.
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                                             moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-                                             num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                             decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                                             rope_theta=1000000.0)),
-    # openai/gpt-oss-20b: 32 experts, 4 per token; sliding (128) and full attention layers alternate.
-    "gpt-oss-20b": ("GptOssConfig", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
-                                         num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
-                                         num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False)),
-    # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token; no sliding window.
-    "mixtral-8x7b": ("MixtralConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                           num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
-                                           num_experts_per_tok=2, sliding_window=None, rope_theta=1000000.0)),
-}
 MULTI_GPU_ASSUMPTIONS = """
 Multi-GPU (--gpus/--zero/--sp/--offload), per GPU (rank); every figure is an estimate:
 - the rank's step is measured like the one-GPU step, on its own work: with Ulysses sp it runs S/sp
@@ -476,12 +431,12 @@ def _offloaded_checkpoint(hooks, function, *args):
 
 def load_config(model: str):
     """A built-in name or a local config.json (file or checkpoint folder) of a supported family."""
-    if model in BUILTIN:
-        class_name, values = BUILTIN[model]
-        return getattr(transformers, class_name)(**values)
+    if model in CHECKPOINTS:
+        model_type, values = CHECKPOINTS[model]
+        return getattr(transformers, FAMILIES[model_type].config_class)(**values)
     path = Path(model)
     if not path.exists():
-        raise PlanError(f"--model {model!r} is neither a built-in name ({', '.join(BUILTIN)}) nor an existing config.json path")
+        raise PlanError(f"--model {model!r} is neither a built-in name ({', '.join(CHECKPOINTS)}) nor an existing config.json path")
     try:
         config = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
     except (OSError, ValueError) as err:
@@ -874,7 +829,7 @@ def _streaming_chunk_arg(value):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m transformers.mst_planner.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help=f"{', '.join(BUILTIN)}, or a local config.json path")
+    parser.add_argument("--model", required=True, help=f"{', '.join(CHECKPOINTS)}, or a local config.json path")
     parser.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of each GPU")
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATE_BYTES))
     parser.add_argument("--optimizer-in-backward", action="store_true")
