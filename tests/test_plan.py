@@ -9,7 +9,7 @@ import transformers
 from conftest import run_py
 from transformers.mst_core import wrappers
 from transformers.mst_core.memory import LiveTensorTracker
-from transformers.mst_planner import plan
+from transformers.mst_planner import cli, plan, search, standins
 
 TINY = dict(vocab_size=8000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4)
 STREAMED = [m for m, settings in plan.METHODS.items() if settings.streaming_backward_chunk is not None]
@@ -45,12 +45,12 @@ def test_importing_the_planner_registers_nothing():
     """The planner's stand-in attention reaches upstream's interfaces only when a plan is built, not on import;
     it tells the streamed layers that it masks offset chunks itself through its own attribute (masks.py)."""
     code = ("from transformers import AttentionInterface; from transformers.streaming_backward import masks; "
-            "import transformers.mst_planner.plan as plan; "
-            "assert not any(n.startswith(plan.ATTENTION) for n in AttentionInterface._global_mapping); "
-            "assert not masks.masks_offset_chunk_itself(plan.ATTENTION); "
+            "import transformers.mst_planner.cli; from transformers.mst_planner import plan, standins; "
+            "assert not any(n.startswith(standins.ATTENTION) for n in AttentionInterface._global_mapping); "
+            "assert not masks.masks_offset_chunk_itself(standins.ATTENTION); "
             "plan.Planner(plan.load_config('llama3-8b'), optimizer='none'); "
-            "assert plan.ATTENTION in AttentionInterface._global_mapping; "
-            "assert masks.masks_offset_chunk_itself(plan.ATTENTION); print('ok')")
+            "assert standins.ATTENTION in AttentionInterface._global_mapping; "
+            "assert masks.masks_offset_chunk_itself(standins.ATTENTION); print('ok')")
     result = run_py(["-c", code], check=True)
     assert result.stdout.strip().endswith("ok"), result.stdout
 
@@ -93,7 +93,7 @@ def test_search_is_exact_on_piecewise_linear_peaks(granularity):
         peak_fn = lambda s: base + slope1 * min(s, kink) + slope2 * max(0, s - kink)  # noqa: E731
         budget, limit = rng.uniform(0, 200), rng.choice([1 << 22, 64 * granularity])
         calls = set()
-        got = plan.search_max_fitting(lambda s: calls.add(s) or peak_fn(s), budget, granularity, limit)
+        got = search.search_max_fitting(lambda s: calls.add(s) or peak_fn(s), budget, granularity, limit)
         want, s = 0, granularity
         while s <= limit and peak_fn(s) <= budget:
             want, s = s, s + granularity
@@ -106,16 +106,16 @@ def test_search_extrapolates_at_most_4x_beyond_what_it_measured():
     asks for more than 4x the longest length it has measured, and still finds the answer."""
     peak_fn = lambda s: 30.0 + 1e-6 * s + (0.002 * (s - 8192) if s > 8192 else 0.0)  # noqa: E731
     asked = []
-    got = plan.search_max_fitting(lambda s: asked.append(s) or peak_fn(s), 80.0, 1024, 1 << 22)
+    got = search.search_max_fitting(lambda s: asked.append(s) or peak_fn(s), 80.0, 1024, 1 << 22)
     want = max(s for s in range(1024, 1 << 16, 1024) if peak_fn(s) <= 80.0)
     assert got == want, (got, want)
     assert all(s <= 4 * max(asked[:n]) for n, s in enumerate(asked) if n), asked
 
 
 def run_main(capsys, *args):
-    """`plan.main(args)` in-process (a subprocess per call would spend seconds importing): exit code, stdout, stderr."""
+    """`cli.main(args)` in-process (a subprocess per call would spend seconds importing): exit code, stdout, stderr."""
     try:
-        plan.main(list(args))
+        cli.main(list(args))
         code = 0
     except SystemExit as exit_:
         code = exit_.code
@@ -155,7 +155,7 @@ def test_table_output(capsys, tiny_config):
 
 def test_bad_inputs(capsys, tmp_path, tiny_config):
     # The real command line once: exit code 2, message on stderr, naming the built-in models.
-    out = run_py(["-m", "transformers.mst_planner.plan", "--model", "llama9-1t", "--gpu-memory-gib", "80"])
+    out = run_py(["-m", "transformers.mst_planner", "--model", "llama9-1t", "--gpu-memory-gib", "80"])
     assert out.returncode == 2 and "llama3-8b" in out.stderr and "gemma2-9b" in out.stderr and not out.stdout
     code, _, err = run_main(capsys, "--model", str(tmp_path / "nope.json"), "--gpu-memory-gib", "80")
     assert code == 2 and "nor an existing config.json path" in err
@@ -194,7 +194,7 @@ def _reference_single_gpu_peak(method, seq_len, optimizer_bytes):
     with FakeTensorMode():
         config = transformers.LlamaConfig(**TINY, mini_sequence_chunk=chunk, streaming_backward_chunk=streaming,
                                           use_cache=False)
-        config._attn_implementation = plan._attention_name(1)
+        config._attn_implementation = standins.attention_name(1)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
         if checkpointing:
             model.activation_checkpointing_enable()
@@ -213,7 +213,7 @@ def test_one_gpu_equals_the_single_gpu_plan(tiny_config):
     want_len, want_peak = {}, {}
     for method in plan.METHODS:
         peak = lambda s, m=method: _reference_single_gpu_peak(m, s, 0)  # noqa: E731
-        want_len[method] = plan.search_max_fitting(peak, int(budget_gib * 2**30), 256, 1 << 22)
+        want_len[method] = search.search_max_fitting(peak, int(budget_gib * 2**30), 256, 1 << 22)
         want_peak[method] = round(peak(want_len[method]) / 2**30, 2)
     for zero in (0, 1, 2):
         got = plan.plan(str(tiny_config), budget_gib, "none", granularity=256, gpus=1, zero=zero, sp=1, offload=())

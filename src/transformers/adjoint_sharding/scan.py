@@ -51,7 +51,7 @@ def linear_scan(a: torch.Tensor, b: torch.Tensor, initial: torch.Tensor | None =
     if pad:  # a = 1, b = 0 carry the last state through the padding
         a = torch.cat([a, a.new_ones((pad, *a.shape[1:]))])
         b = torch.cat([b, b.new_zeros((pad, *b.shape[1:]))])
-    a = a.reshape(num_blocks, block, *a.shape[1:])
+    a = a.reshape(num_blocks, block, *a.shape[1:])  # [L', ...] -> [num_blocks, block, ...], L' = num_blocks * block
     b = b.reshape(num_blocks, block, *b.shape[1:])
     states = torch.empty_like(b)
     h = torch.zeros_like(b[:, 0])
@@ -63,7 +63,7 @@ def linear_scan(a: torch.Tensor, b: torch.Tensor, initial: torch.Tensor | None =
         if carry is not None:
             states[k].addcmul_(torch.cumprod(a[k], dim=0), carry)
         carry = states[k, -1]
-    return states.reshape(num_blocks * block, *states.shape[2:])[:length]
+    return states.reshape(num_blocks * block, *states.shape[2:])[:length]  # back to [L, ...], padding dropped
 
 
 def _delta(dt: torch.Tensor, delta_bias: torch.Tensor | None, softplus: bool) -> torch.Tensor:
@@ -172,12 +172,12 @@ class AdjointSelectiveScan(torch.autograd.Function):
             del grad_a_times_a
             adjoint_B = torch.einsum("lbdn,lbn->lbd", adjoint, B_t)  # sum_n adj * B
             grad_delta += u_t * adjoint_B
-            grad_u[:, :, start:end] = (delta * adjoint_B).permute(1, 2, 0)
+            grad_u[:, :, start:end] = (delta * adjoint_B).permute(1, 2, 0)  # [l, b, d] -> [b, d, l]
             grad_B[:, :, start:end] = torch.einsum("lbdn,lbd->bnl", adjoint, delta * u_t)
             del adjoint
             if softplus:
                 grad_delta = grad_delta * torch.sigmoid(pre)
-            grad_dt[:, :, start:end] = grad_delta.permute(1, 2, 0)
+            grad_dt[:, :, start:end] = grad_delta.permute(1, 2, 0)  # [l, b, d] -> [b, d, l]
             if grad_bias is not None:
                 grad_bias += grad_delta.sum((0, 1))
         if ctx.link is not None and not ctx.link.first:
@@ -205,8 +205,8 @@ def _leave_window(source, start, end, truncation, seq_len, A, delta_sum, grad_y,
     ahead = slice(start + truncation, stop + truncation)
     window_delta = (delta_sum[start + truncation + 1 : stop + truncation + 1] - delta_sum[start + 1 : stop + 1]).float()
     window_product = torch.exp(window_delta[..., None] * A)  # [rows, b, d, n]
-    gy_ahead = grad_y[:, :, ahead].permute(2, 0, 1)
-    C_ahead = C[:, :, ahead].float().permute(2, 0, 1)
+    gy_ahead = grad_y[:, :, ahead].permute(2, 0, 1)  # [b, d, rows] -> [rows, b, d]
+    C_ahead = C[:, :, ahead].float().permute(2, 0, 1)  # [b, n, rows] -> [rows, b, n]
     source[: stop - start] -= window_product * gy_ahead[..., None] * C_ahead[:, :, None, :]
 
 

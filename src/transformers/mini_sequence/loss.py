@@ -362,7 +362,7 @@ def mini_sequence_causal_lm_loss(
     one unless ``shift_labels`` is given, sum divided by ``num_items_in_batch`` when given,
     else the mean over non-ignored tokens (NaN when every label is ignored, like upstream).
     """
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # [*, S, d] -> [N, d]
     flat_labels = _shift_and_flatten_labels(labels, shift_labels, ignore_index, hidden.device)
     if flat_labels.shape[0] != hidden.shape[0]:
         raise ValueError(

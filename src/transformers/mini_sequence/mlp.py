@@ -77,8 +77,8 @@ def _chunk_grad(grad: torch.Tensor, index: int, batch_shape: torch.Size, start: 
     """The part of output ``index``'s gradient that belongs to positions start:end, shaped as the chunk's output."""
     if index == 0:
         return grad[..., start:end, :]
-    part = _positions(grad.contiguous(), batch_shape).narrow(len(batch_shape), start, end - start)
-    return part.reshape(-1, *grad.shape[1:])
+    part = _positions(grad.contiguous(), batch_shape).narrow(len(batch_shape), start, end - start)  # [*batch, c, *]
+    return part.reshape(-1, *grad.shape[1:])  # [*batch, c, *] -> [batch * c, *], token-major as the chunk's output
 
 
 class _SavedInput(torch.autograd.Function):

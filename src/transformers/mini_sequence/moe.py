@@ -47,6 +47,7 @@ def _token_major(per_chunk: list, batch_shape: torch.Size) -> torch.Tensor:
     """[tokens of the whole sequence, ...] in (batch, position) order, from one [batch * chunk, ...] per chunk (the
     blocks flatten their input to tokens in (batch, position) order, so a chunk's rows are its rows of each batch)."""
     tail = per_chunk[0].shape[1:]
+    # each [batch * c, *tail] -> [*batch, c, *tail]; joined along positions; -> [batch * S, *tail]
     return torch.cat([t.reshape(*batch_shape, -1, *tail) for t in per_chunk], dim=len(batch_shape)).reshape(-1, *tail)
 
 

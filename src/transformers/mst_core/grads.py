@@ -119,9 +119,9 @@ class LinearWeightGradsSummed(TorchFunctionMode):
                 # Rows folded into one matrix, as matmul folds them when the weight needs a gradient: with the
                 # weight detached it would not fold a chunk (a strided view of the sequence) and run bmm instead
                 # (seen on an H100: 512 bmm calls, 47 ms a step at 16K tokens).
-                rows = x.reshape(-1, x.shape[-1])
+                rows = x.reshape(-1, x.shape[-1])  # [*, in] -> [N, in]
                 out = _LinearWeightGradInto.apply(F.linear(rows, weight.detach(), bias), rows, self.sums, i, weight)
-                return out.view(*x.shape[:-1], out.shape[-1])
+                return out.view(*x.shape[:-1], out.shape[-1])  # [N, out] -> [*, out]
         return func(*args, **kwargs)
 
 

@@ -19,7 +19,7 @@ from ..mst_core.fields import STREAMING_FIELD
 # Extension point: an attention function registered with `AttentionInterface` whose attribute of this name is True,
 # called with mask=None, masks an offset query chunk causally itself, aligned bottom-right (FlashAttention's
 # convention), so a chunk needs no mask tensor. The planner's FlashAttention-like memory stand-in sets it
-# (mst_planner/plan.py: its step must not allocate a [chunk, keys] mask).
+# (mst_planner/standins.py: its step must not allocate a [chunk, keys] mask).
 BOTTOM_RIGHT_CAUSAL = "masks_offset_chunk_bottom_right"
 
 

@@ -1,0 +1,6 @@
+import sys
+
+from .cli import main
+
+
+sys.exit(main())

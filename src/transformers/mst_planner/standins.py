@@ -1,0 +1,227 @@
+"""What the planner puts in place of the GPU-only parts of a training step, on fake tensors: a FlashAttention-like
+attention (its memory, not its values; Ulysses' all-to-alls with sp > 1), and the per-rank work of ZeRO-2/3
+(gradient sharding, parameter gathering) and of layer-input offload (host copies counted, not held). They reach the
+runtime only through its extension points: upstream's attention and mask interfaces (registered when a plan is
+built), the attribute streaming_backward/masks.py reads, and the checkpointing function's offload tag
+(streaming_backward/offload.py)."""
+
+import functools
+import math
+import weakref
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+from ..streaming_backward import masks as streamed_masks
+
+
+ATTENTION = "mst_planner"  # (a name containing "flash" would send upstream looking for a kernel)
+
+
+class _FlashLikeAttention(torch.autograd.Function):
+    """Memory stand-in for a FlashAttention kernel: allocates its output and the log-sum-exp it
+    keeps for backward, and in backward the three input gradients. The values are meaningless
+    (planning runs on fake tensors); only the allocations matter."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, sinks):
+        out = torch.empty_like(query)
+        logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, logsumexp)
+        ctx.sinks = sinks
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, _, _ = ctx.saved_tensors
+        sinks_grad = None if ctx.sinks is None else torch.empty_like(ctx.sinks)
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), sinks_grad
+
+
+def _flash_like_attention(module, query, key, value, attention_mask, s_aux=None, **kwargs):
+    # query [B, H, S, D], key/value [B, H_kv, S, D]; HF attention functions return [B, S, H, D]. GPT-OSS passes its
+    # attention sinks [H] as s_aux: a kernel with sinks returns their gradient too (the streamed layer checks it).
+    return _FlashLikeAttention.apply(query, key, value, s_aux).transpose(1, 2).contiguous(), None
+
+
+# Streamed layers call it per query chunk with mask=None, as FlashAttention (bottom-right causal) is called.
+setattr(_flash_like_attention, streamed_masks.BOTTOM_RIGHT_CAUSAL, True)
+
+
+
+
+def _send_buffer(tensor):
+    """The transient contiguous copy an all-to-all sends from (allocated, then dropped at once)."""
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+class _UlyssesFlashLikeAttention(torch.autograd.Function):
+    """Memory stand-in for DeepSpeed-Ulysses around a FlashAttention kernel, on one rank of `sp`.
+
+    The rank enters with its S/sp tokens for all heads, query [B, H, S/sp, D] and key/value
+    [B, H_kv, S/sp, D]. An all-to-all turns each into the whole sequence for its share of the
+    heads, [B, H/sp, S, D] (key/value: H_kv/sp heads, or one replicated head when H_kv < sp);
+    the kernel keeps those, its output and a [B, H/sp, S] fp32 log-sum-exp for backward; a
+    second all-to-all returns the output as [B, H, S/sp, D]. Backward mirrors it: the output
+    gradient goes to [B, H/sp, S, D], the kernel makes the three input gradients there, and
+    all-to-alls bring them back to the rank's tokens. Each all-to-all also allocates one
+    transient send buffer of its input's size. Values are meaningless; only allocations matter."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, sp):
+        ctx.sp, ctx.shapes = sp, (query.shape, key.shape)
+        gathered = []
+        for t in (query, key, value):
+            b, h, s, d = t.shape
+            _send_buffer(t)
+            gathered.append(t.new_empty(b, max(h // sp, 1), s * sp, d))
+        q, k, v = gathered
+        out_heads = torch.empty_like(q)
+        logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out_heads, logsumexp)
+        _send_buffer(out_heads)
+        return query.new_empty(query.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _, _ = ctx.saved_tensors
+        _send_buffer(grad_out)
+        grad_heads = torch.empty_like(q)  # the output gradient for this rank's heads, whole sequence
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del grad_heads  # the kernel is done with it
+        query_shape, kv_shape = ctx.shapes
+        grads = []
+        for g, shape in ((dq, query_shape), (dk, kv_shape), (dv, kv_shape)):
+            _send_buffer(g)
+            grads.append(g.new_empty(shape))
+        del dq, dk, dv
+        return (*grads, None)
+
+
+def _ulysses_attention(module, query, key, value, attention_mask, sp, **kwargs):
+    return _UlyssesFlashLikeAttention.apply(query, key, value, sp).transpose(1, 2).contiguous(), None
+
+
+def attention_name(sp):
+    """The planner's attention for sequence-parallel degree `sp`, registered with upstream's attention and mask
+    interfaces on first use (importing the planner registers nothing)."""
+    name = ATTENTION if sp == 1 else f"{ATTENTION}_ulysses{sp}"
+    if name not in AttentionInterface._global_mapping:
+        attention = _flash_like_attention if sp == 1 else functools.partial(_ulysses_attention, sp=sp)
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, flash_attention_mask)  # no mask tensor without padding
+    return name
+
+
+class StepHooks:
+    """Per-rank work the planner adds to a fake step for ZeRO-2/3 and layer-input offload."""
+
+    def __init__(self, parallel):
+        self.parallel = parallel
+        self.grad_shards = []  # ZeRO-2/3: this rank's 1/N partition of each reduced gradient
+        self.gathered_forward = None  # ZeRO-3: the full parameters of the module running forward
+        self.gathered_backward = (None, None)  # ZeRO-3: (module, full parameters) of the module in backward
+        self.host_bytes = 0  # layer inputs in host memory now
+        self.host_peak_bytes = 0
+        self.host_window_peak = 0  # since the current phase began (layer_phases.py)
+
+    def add_host(self, nbytes):
+        self.host_bytes += nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        self.host_window_peak = max(self.host_window_peak, self.host_bytes)
+
+    def shard_gradient(self, param):
+        # ZeRO-2/3: the full gradient is reduce-scattered and freed; this rank keeps its partition.
+        self.grad_shards.append(param.grad.new_empty(math.ceil(param.numel() / self.parallel.gpus)))
+        param.grad = None
+
+    def gather_for_forward(self, module, args):
+        if self.gathered_backward[0] is not module:  # still gathered if its backward began (recompute)
+            self.gathered_forward = _gather(module)
+
+    def release_after_forward(self, module, args, output):
+        self.gathered_forward = None
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            return _GatherInBackward.apply(output, self, module)
+        return output
+
+    # --offload inputs for streamed layers: stand-in for the library's streaming_backward/offload.py HostStorage. The input's
+    # host copy holds no bytes here (counted as host memory until the layer's backward is done with it);
+    # each chunk the backward reads back is allocated on the GPU.
+    def save(self, x):
+        nbytes = x.numel() * x.element_size()
+        saved = _HostCopy(x.shape, x.dtype)
+        self.add_host(nbytes)
+        weakref.finalize(saved, self._free_host, nbytes)
+        return saved
+
+    def _free_host(self, nbytes):
+        self.add_host(-nbytes)
+
+    def load(self, saved, start, end, device):
+        return torch.empty((saved.shape[0], end - start, *saved.shape[2:]), dtype=saved.dtype, device=device)
+
+
+class _HostCopy:
+    """What the planner's host storage keeps of a streamed layer's input: its shape and dtype."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+def _gather(module):
+    """A buffer of the bytes of `module`'s own parameters in full (what a ZeRO-3 all-gather fills)."""
+    nbytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return next(module.parameters(recurse=False)).new_empty(nbytes, dtype=torch.uint8)
+
+
+class _GatherInBackward(torch.autograd.Function):
+    """Identity; when the gradient reaches the module's output (its backward starts), the module's
+    parameters are gathered again and those of the module before it in backward are released."""
+
+    @staticmethod
+    def forward(ctx, output, hooks, module):
+        ctx.hooks, ctx.module = hooks, module
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hooks = ctx.hooks
+        if hooks.gathered_backward[0] is not ctx.module:
+            hooks.gathered_backward = (None, None)  # release first, as the previous module's backward is done
+            hooks.gathered_backward = (ctx.module, _gather(ctx.module))
+        return grad, None, None
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    """Gradient checkpointing of one decoder layer whose input moves to host memory in forward.
+
+    Forward runs the layer without keeping anything on the GPU (the input [S/sp, d] goes to the
+    host); backward brings it back (one buffer in use, one more in flight for the layer before:
+    prefetch), recomputes the layer and backpropagates through it, parameters' gradients included."""
+
+    @staticmethod
+    def forward(ctx, hooks, run, hidden):
+        ctx.hooks, ctx.run, ctx.meta = hooks, run, (hidden.shape, hidden.dtype)
+        ctx.nbytes = hidden.numel() * hidden.element_size()
+        hooks.add_host(ctx.nbytes)
+        return run(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype = ctx.meta
+        hidden = grad.new_empty(shape, dtype=dtype).requires_grad_()  # copied back from the host
+        prefetch = grad.new_empty(shape, dtype=dtype)  # noqa: F841  (the previous layer's input, in flight)
+        ctx.hooks.add_host(-ctx.nbytes)
+        with torch.enable_grad():
+            out = ctx.run(hidden)
+        torch.autograd.backward(out, grad)
+        return None, None, hidden.grad
+
+
+def offloaded_checkpoint(hooks, function, *args):
+    """Stand-in for a layer's `_gradient_checkpointing_func`: args is (hidden_states,)."""
+    if len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        raise RuntimeError("planner: layer-input offload expects a decoder layer called with hidden_states only")
+    return _OffloadedCheckpoint.apply(hooks, function, args[0])
