@@ -550,12 +550,14 @@ def test_shallow_stack_gives_the_deep_stacks_bytes(case, monkeypatch):
     for method in plan.METHODS:
         if not plan._plannable(method, parallel) or plan.family_refusal(method, config.model_type):
             continue
-        depths.clear()
-        shallow = planner.step_peak_bytes(method, 128), planner._host[(method, 128)]
-        assert depths == [4 * period + config.num_hidden_layers % period], (method, depths)
-        full = planner.step_peak_bytes(method, 128, shallow=False), planner._host[(method, 128)]
-        assert depths[-1] is None
-        assert shallow == full, (method, shallow, full)
+        # The first step runs two middle blocks and checks them; once equal, a later step (another length) runs one.
+        for seq_len, middle_blocks in ((128, 2), (192, 1)):
+            depths.clear()
+            shallow = planner.step_peak_bytes(method, seq_len), planner._host[(method, seq_len)]
+            assert depths == [(2 + middle_blocks) * period + config.num_hidden_layers % period], (method, depths)
+            full = planner.step_peak_bytes(method, seq_len, shallow=False), planner._host[(method, seq_len)]
+            assert depths[-1] is None
+            assert shallow == full, (method, seq_len, shallow, full)
 
 
 def test_shallow_stack_falls_back_to_every_layer():
@@ -578,5 +580,8 @@ def test_shallow_stack_falls_back_to_every_layer():
     assert layer_phases.layer_period(["d", "s", "s", "s"]) == 4
     assert layer_phases.shallow_depth(32, 1) == 4 and layer_phases.shallow_depth(62, 6) == 26
     assert layer_phases.shallow_depth(4, 1) is None
+    assert layer_phases.shallow_depth(62, 6, middle_blocks=1) == 20
+    uneven = phases([1, 5, 6, 7, 7, 9, 3, 4, 4, 2, 1])  # unchecked, only the first middle block (layer 1) is repeated
+    assert layer_phases.deepened(uneven, 1, 3, check=False) == uneven[:3] + [uneven[2]] * 3 + uneven[3:9] + [uneven[8]] * 3 + uneven[9:]
     assert plan.Planner(_deep("qwen3_moe", num_hidden_layers=7)).layer_period is None  # layer 0 dense
     assert plan.Planner(_deep("llama", num_hidden_layers=4)).layer_period is None

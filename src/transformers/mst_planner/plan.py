@@ -196,6 +196,7 @@ class Planner:
         self.config = config
         self._peaks = {}  # (method, seq_len) -> peak bytes per GPU, resident included
         self._host = {}  # (method, seq_len) -> host bytes per GPU (offloaded layer inputs at their peak)
+        self._middle_blocks_equal = set()  # methods whose shallow stack's two middle blocks did the same work
         self.progress = None  # a tqdm bar: one tick per fake step, its postfix names the step running
         self.optimizer = optimizer
         self.optimizer_in_backward = optimizer_in_backward
@@ -290,10 +291,13 @@ class Planner:
         depth = self.config.num_hidden_layers
         if shallow and fake and self.layer_period is not None:
             period = self.layer_period
-            shallow_depth = layer_phases.shallow_depth(depth, period)
+            # Two middle blocks until they were found equal once for this method, then one (layer_phases.py).
+            checked = method in self._middle_blocks_equal
+            shallow_depth = layer_phases.shallow_depth(depth, period, middle_blocks=1 if checked else 2)
             phases = self._step(method, seq_len, fake, shallow_depth)[2]
-            deep = layer_phases.deepened(phases, period, (depth - shallow_depth) // period)
+            deep = layer_phases.deepened(phases, period, (depth - shallow_depth) // period, check=not checked)
             if deep is not None:
+                self._middle_blocks_equal.add(method)
                 peak, self._host[(method, seq_len)] = layer_phases.walk(deep)
                 return peak
         peak, self._host[(method, seq_len)], _ = self._step(method, seq_len, fake)
