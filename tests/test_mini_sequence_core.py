@@ -789,7 +789,7 @@ def test_loss_memory_no_full_logits(loss_path):
 
 
 def test_loss_bf16_peak_not_above_fp32_path():
-    # Issue 7 item 4: the bf16 head + loss (our Function) peaks no higher than the fp32 one (torch's
+    # The bf16 head + loss (our Function) peaks no higher than the fp32 one (torch's
     # linear_cross_entropy). This shape keeps the ratios of the 8192-token, d=512, V=32000 case
     # (scripts/lm_head_memory.py): 1.90 vs 2.20 MiB measured, 4.46 before (an fp32 copy of the
     # [C, V] logits and their fp32 gradient, a bf16 [V, d] gradient per chunk next to the fp32 sum).
