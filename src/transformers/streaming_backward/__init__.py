@@ -3,7 +3,8 @@
 `modeling_layers.GradientCheckpointingLayer` (patch 0008) asks `applies(layer)` before it would checkpoint and, if
 so, runs `decoder_layer_forward` instead: the layer's own forward per query chunk (layer.py), its keys/values met
 at the `Cache` seam (cache.py), each chunk's mask and key range from masks.py, row-wise gradients in row blocks
-(rows.py), the input kept on the device or offloaded (offload.py), and the wrappers' rules (wrappers.py). The
+(rows.py), the input kept on the device or offloaded (offload.py), the wrappers' rules (wrappers.py), what a
+streamed layer refuses (checks.py) and its chunk policy (config.py). The
 model types it streams are the registry's (mst_core/families.py).
 """
 

@@ -34,30 +34,34 @@ import inspect
 
 import torch
 
-from ..mst_core.families import model_types, streaming_model_types
+from ..mst_core.families import streaming_model_types
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
-from .config import streaming_chunk_size
 from .cache import BackwardCache, FixedCache, JoinedCache, RecordingCache, StopAfterKeysValues
-from .offload import SavedInput, input_storage
-from .rows import RowBlocks, row_blocks
-from .wrappers import layer_parameters
+from .checks import (
+    FLASH_ATTENTION,
+    check_attention_call,
+    check_cache_is_empty,
+    check_captured_outputs,
+    check_no_zero3_moe,
+)
+from .config import streaming_chunk_size
 from .masks import (
     FLASH_VARLEN_KWARGS,
     chunk_mask,
     flash_chunk_mask,
-    masks_offset_chunk_itself,
     packed_sequence_starts,
     plan_flash_chunks,
     plan_key_ranges,
     sliding_window,
 )
+from .offload import SavedInput, input_storage
+from .rows import RowBlocks, row_blocks
+from .wrappers import layer_parameters
 
 
-FLASH_ATTENTION = "flash_attention_2"
-SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH_ATTENTION)
 # Keep the forward's K/V of every layer until its backward (2 passes per token through every projection) instead
 # of recomputing them there (checkpointing's memory; 3 passes through the projections before the cache). Off:
 # kept K/V cost 2 * kv_heads * head_dim values per token per layer over the whole step (half of a layer input's
@@ -65,7 +69,6 @@ SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH_ATTENTION)
 # through q/k/v costs about 3% of a Llama-3-8B step's matmul FLOPs.
 KEEP_KEYS_VALUES = False
 STREAMING_MODEL_TYPES = streaming_model_types()
-MOE_MODEL_TYPES = model_types(mini_sequence="moe")
 
 
 def applies(layer) -> bool:
@@ -98,50 +101,9 @@ class StreamedCall:
         hidden_states = arguments.pop("hidden_states")
         self.batch, self.seq_len = hidden_states.shape[:2]
         implementation = config._attn_implementation
-        self.bottom_right = implementation not in SUPPORTED_ATTENTION and masks_offset_chunk_itself(implementation)
-        if implementation not in SUPPORTED_ATTENTION and not self.bottom_right:
-            raise ValueError(
-                f"{STREAMING_FIELD} is set but {type(layer).__name__} uses attn_implementation={implementation!r}; "
-                f"the streamed layer runs offset query chunks only with {SUPPORTED_ATTENTION}. Load the model with one "
-                "of them, or unset the field."
-            )
-        if not getattr(attn, "is_causal", True):
-            raise ValueError(
-                f"{STREAMING_FIELD} needs causal attention (each query chunk reads only earlier keys); "
-                f"{type(attn).__name__} is bidirectional here. Unset the field."
-            )
         mask = arguments.pop("attention_mask", None)
+        self.bottom_right = check_attention_call(layer, mask, self.batch, self.seq_len)
         self.flash = implementation == FLASH_ATTENTION
-        if self.flash:
-            from ..modeling_flash_attention_utils import flash_attn_supports_top_left_mask
-
-            if flash_attn_supports_top_left_mask():
-                raise ValueError(
-                    f"{STREAMING_FIELD}: the installed flash-attn aligns its causal mask top-left (before 2.1), "
-                    "which masks every query chunk after the first wrongly. Install flash-attn >= 2.1, or use "
-                    "attn_implementation='sdpa'."
-                )
-            # FlashAttention gets the [batch, key] padding mask (or none) and unpads by it, as upstream does.
-            if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (self.batch, self.seq_len)):
-                raise ValueError(
-                    f"{STREAMING_FIELD}: with {FLASH_ATTENTION} the decoder layer got an attention mask of shape "
-                    f"{getattr(mask, 'shape', None)}; streaming slices a [batch, {self.seq_len}] padding mask per chunk "
-                    "and supports no other kind (a KV cache or prefix is not supported)."
-                )
-        elif mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-                raise ValueError(
-                    f"{STREAMING_FIELD}: the decoder layer got an attention mask of type {type(mask).__name__} "
-                    f"(shape {getattr(mask, 'shape', None)}); streaming slices a 4D [batch, 1, query, key] mask per "
-                    "chunk and supports no other kind."
-                )
-            if tuple(mask.shape[-2:]) != (self.seq_len, self.seq_len):
-                raise ValueError(
-                    f"{STREAMING_FIELD}: the 4D attention mask covers {tuple(mask.shape[-2:])} (query, key) "
-                    f"positions for a sequence of {self.seq_len}; a KV cache or prefix is not supported."
-                )
-        elif implementation == "eager":
-            raise ValueError(f"{STREAMING_FIELD}: eager attention was called without a mask (bidirectional).")
         self.mask, self.window, self.device = mask, sliding_window(attn), hidden_states.device
         if self.window is not None and self.window >= self.seq_len:
             self.window = None  # a window longer than the sequence cuts nothing
@@ -439,48 +401,6 @@ class _KeysValuesOnly(FixedCache):
         raise StopAfterKeysValues
 
 
-def _check_cache_is_empty(layer, cache) -> None:
-    """A streamed layer neither reads nor fills the cache, as under upstream's gradient checkpointing, which streaming
-    replaces: a training forward with the default `use_cache=True` returns the (empty) cache the model made, without
-    the whole sequence's keys and values (their memory is what streaming saves). Cached tokens from an earlier call
-    would be silently not attended to: refused."""
-    cached = cache.get_seq_length(layer.self_attn.layer_idx) if cache is not None else 0
-    if cached:
-        raise ValueError(
-            f"{STREAMING_FIELD}: the cache passed (`cache` / `past_key_values`) holds {cached} cached tokens, "
-            "which a streamed layer cannot attend to (streamed training forwards neither read nor fill a cache). "
-            "Train without a cache, or unset the field."
-        )
-
-
-def _check_no_zero3_moe(layer) -> None:
-    """MoE decoder layers under DeepSpeed ZeRO-3 (parameters with `ds_id`) take the nested-checkpoint fallback, where
-    DeepSpeed 0.19's gradient reduction asserts (`__reduce_and_partition_ipg_grads`: a parameter twice in one bucket;
-    tiny Mixtral on 2 gloo processes, dense families pass): refused before it would fail mid-backward."""
-    config = layer.self_attn.config
-    if config.model_type in MOE_MODEL_TYPES and any(hasattr(p, "ds_id") for p in layer.parameters()):
-        raise ValueError(
-            f"{STREAMING_FIELD} is not supported on MoE models ({type(layer).__name__}) under DeepSpeed ZeRO-3 "
-            "yet: DeepSpeed's gradient reduction fails on the streamed layer's recompute. Use ZeRO-1/2 or FSDP, or "
-            "unset the field (mini_sequence_chunk works under ZeRO-3)."
-        )
-
-
-def _check_captured_outputs(layer) -> None:
-    """Outputs that transformers captures inside the layer (attentions, MoE router logits: hooks on submodules)
-    would be captured once per chunk, without graph: refused. Hidden states are captured around the layer: fine."""
-    from ..utils.output_capturing import _active_collector
-
-    collector = _active_collector.get()
-    inside = sorted(key for key in (collector or {}) if key not in ("hidden_states", "_hidden_states_layers"))
-    if inside:
-        raise ValueError(
-            f"{STREAMING_FIELD}: output_{inside[0]}=True is not supported in training with streaming backward "
-            f"({type(layer).__name__} runs query chunk by query chunk, without graph in its forward: no whole "
-            f"{inside[0]} tensor with gradients exists). Request them in eval mode, or unset the field."
-        )
-
-
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward)."""
     signature = inspect.signature(forward)
@@ -497,15 +417,15 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     cache_name = "cache" if "cache" in signature.parameters else "past_key_values"
     given = [arguments.pop(name, None) for name in ("cache", "past_key_values")]
     given = next((c for c in given if c is not None), None)
-    _check_cache_is_empty(layer, given)
-    _check_captured_outputs(layer)
+    check_cache_is_empty(layer, given)
+    check_captured_outputs(layer)
     streamed = StreamedCall(forward, layer, arguments, cache_name)
     # The attention module is called (its hooks run); hooks other than output capturing may swap its weights
     # (FSDP2 `fully_shard` on it, accelerate): then ordinary autograd takes every gradient (the fallback).
     params = layer_parameters(layer)
     storage = input_storage(layer)
     if params is None:
-        _check_no_zero3_moe(layer)
+        check_no_zero3_moe(layer)
         if storage is None:
             return _forward_with_checkpoints(streamed, hidden_states)
         on_accelerator = hidden_states.device.type != "cpu"
