@@ -1,6 +1,7 @@
 """The max-sequence planner: its fake-tensor peak equals a real run's, its search and its errors."""
 
 import json
+import os
 import random
 
 import pytest
@@ -98,6 +99,50 @@ def test_search_is_exact_on_piecewise_linear_peaks(granularity):
         while s <= limit and peak_fn(s) <= budget:
             want, s = s, s + granularity
         assert got == want and len(calls) <= 12, (got, want, len(calls))
+
+
+def test_search_prefetches_the_other_end_of_each_guess():
+    """With `prefetch`, the same answers; each prefetch is of the next length asked + granularity, and on linear
+    stretches that bracket the answer the last measurement is one it prefetched (it ran beside the one before)."""
+    rng = random.Random(7)
+    last_was_prefetched = 0
+    for _ in range(300):
+        kink = rng.randint(1, 100) * 1024  # a planner's peak: flat-ish, then steeper after the LM head's kink
+        base, slope1 = rng.uniform(10, 50), rng.uniform(1e-6, 1e-4)
+        slope2 = slope1 * rng.uniform(1, 3)
+        peak_fn = lambda s: base + slope1 * min(s, kink) + slope2 * max(0, s - kink)  # noqa: E731
+        budget = peak_fn(rng.uniform(8, 1000) * 1024)
+        events = []
+        got = search.search_max_fitting(lambda s: events.append(("ask", s)) or peak_fn(s), budget, 1024, 1 << 22,
+                                        prefetch=lambda s: events.append(("prefetch", s)))
+        assert got == search.search_max_fitting(peak_fn, budget, 1024, 1 << 22)
+        for n, (kind, s) in enumerate(events):
+            if kind == "prefetch":
+                assert events[n + 1] == ("ask", s - 1024), events
+        prefetched = {s for kind, s in events if kind == "prefetch"}
+        last_was_prefetched += events[-1] == ("ask", max(prefetched, default=None))
+    assert last_was_prefetched > 75, last_was_prefetched  # 92 of 300: the rest end on an exact extrapolation
+
+
+def test_forked_call_returns_or_raises_in_the_parent():
+    """The planner's prefetch: a function run in a forked child, its result (or its error) back in the parent."""
+    assert search.ForkedCall(lambda: ("peak", 123)).result() == ("peak", 123)
+    with pytest.raises(plan.PlanError, match="from the child"):
+        search.ForkedCall(lambda: (_ for _ in ()).throw(plan.PlanError("from the child"))).result()
+
+
+def test_planner_prefetch_measures_what_a_step_measures():
+    """A prefetched length's peak and host bytes equal those of the same step run in the process."""
+    config = transformers.LlamaConfig(**TINY)
+    ahead, here = plan.Planner(config, "adamw-bf16", True), plan.Planner(config, "adamw-bf16", True)
+    ahead.prefetch("mini_sequence+checkpointing", 384)
+    assert ahead.peak_bytes("mini_sequence+checkpointing", 384) == here.peak_bytes("mini_sequence+checkpointing", 384)
+    assert ahead._host == here._host and not ahead._prefetched
+    ahead.prefetch("mini_sequence+checkpointing", 512)  # not needed after all: its child is stopped
+    child = ahead._prefetched.pop(("mini_sequence+checkpointing", 512))
+    child.cancel()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child.pid, os.WNOHANG)
 
 
 def test_search_extrapolates_at_most_4x_beyond_what_it_measured():

@@ -45,7 +45,7 @@ from ..mst_core.memory import LiveTensorTracker
 from ..mst_core.model_checks import MINI_SEQUENCE_MODEL_TYPES, TEXT_CONFIG_LM_HEAD_MODEL_TYPES
 from . import layer_phases
 from .assumptions import ASSUMPTIONS, MULTI_GPU_ASSUMPTIONS
-from .search import search_in_processes, search_max_fitting
+from .search import ForkedCall, search_in_processes, search_max_fitting
 from .standins import StepHooks, attention_name, offloaded_checkpoint
 
 
@@ -196,7 +196,8 @@ class Planner:
         self.config = config
         self._peaks = {}  # (method, seq_len) -> peak bytes per GPU, resident included
         self._host = {}  # (method, seq_len) -> host bytes per GPU (offloaded layer inputs at their peak)
-        self._middle_blocks_equal = set()  # methods whose shallow stack's two middle blocks did the same work
+        self._middle_blocks_equal = set()
+        self._prefetched = {}  # (method, seq_len) -> ForkedCall of (peak bytes, host bytes) (search.py)  # methods whose shallow stack's two middle blocks did the same work
         self.progress = None  # a tqdm bar: one tick per fake step, its postfix names the step running
         self.optimizer = optimizer
         self.optimizer_in_backward = optimizer_in_backward
@@ -320,6 +321,10 @@ class Planner:
     def peak_bytes(self, method, seq_len):
         """Resident bytes + the step's peak at `seq_len` (memoized: each new value is a fake step)."""
         key = (method, seq_len)
+        if key in self._prefetched:
+            self._peaks[key], self._host[key] = self._prefetched.pop(key).result()
+            if self.progress is not None:
+                self.progress.update()
         if key not in self._peaks:
             if self.progress is not None:
                 self.progress.set_postfix_str(f"{method} at {seq_len} tokens")
@@ -333,11 +338,26 @@ class Planner:
         self.peak_bytes(method, seq_len)
         return self.host_state_bytes + self._host[(method, seq_len)]
 
+    def prefetch(self, method, seq_len):
+        """Start the fake step of `peak_bytes(method, seq_len)` in a forked process; `peak_bytes` collects it."""
+        key = (method, seq_len)
+
+        def measure():  # in the child: its progress is the parent's to show, when it collects the result
+            self.progress = None
+            return self.peak_bytes(method, seq_len), self._host[key]
+
+        if key not in self._peaks and key not in self._prefetched:
+            self._prefetched[key] = ForkedCall(measure)
+
     def max_seq_len(self, method, budget_bytes, granularity=1024, limit=1 << 22):
         """Largest multiple of `granularity` (<= `limit` tokens per rank, i.e. limit * sp in all)
         whose peak fits; 0 if not even one fits."""
-        return search_max_fitting(lambda s: self.peak_bytes(method, s), budget_bytes, granularity,
-                                  limit * self.parallel.sp)
+        try:
+            return search_max_fitting(lambda s: self.peak_bytes(method, s), budget_bytes, granularity,
+                                      limit * self.parallel.sp, prefetch=lambda s: self.prefetch(method, s))
+        finally:  # a prefetch the search did not need
+            for key in [k for k in self._prefetched if k[0] == method]:
+                self._prefetched.pop(key).cancel()
 
 
 def _decoder_stack(model):

@@ -2,9 +2,12 @@
 forked processes with one progress bar."""
 
 import multiprocessing
+import os
+import pickle
+import signal
 
 
-def search_max_fitting(peak, budget, granularity, limit):
+def search_max_fitting(peak, budget, granularity, limit, prefetch=None):
     """Largest multiple S of `granularity`, S <= `limit`, with peak(S) <= budget (peak increasing in S).
 
     The peak is piecewise linear in S (no S x S tensor; the LM-head chunk policy adds a kink), so a
@@ -13,6 +16,10 @@ def search_max_fitting(peak, budget, granularity, limit):
     [fits, does not fit], with a bisection step whenever an interpolation did not halve it. An extrapolation
     goes at most 4x beyond the longest length measured.
     The answer rests only on measured values of peak, never on an extrapolated one.
+
+    `prefetch(S)`, if given, may start measuring peak(S) meanwhile: once the bracket is known, each interpolated
+    guess S comes with S + granularity, the other end of the answer when the guess is exact (the peak is linear
+    between kinks), so the last two measurements run at once.
     """
     g = granularity
     limit = max(limit // g * g, g)
@@ -21,6 +28,7 @@ def search_max_fitting(peak, budget, granularity, limit):
     lo, hi = g, None  # lo fits; hi does not (None until one is found)
     prev, s = g, min(4 * g, limit)
     bisect_next, width = False, None
+    prefetched = set()
     while True:
         if peak(s) <= budget:
             lo = max(lo, s)
@@ -49,6 +57,44 @@ def search_max_fitting(peak, budget, granularity, limit):
                 guess = min(guess, 4 * s)
         upper = limit if hi is None else hi - g
         prev, s = s, min(max(guess, lo + g), upper)
+        # Not when s itself was prefetched: its value is there at once, and decides whether s + g is needed.
+        if prefetch is not None and hi is not None and s + g < hi and s not in prefetched:
+            prefetch(s + g)
+            prefetched.add(s + g)
+
+
+class ForkedCall:
+    """`function()` run in a forked child process; `result()` waits for its return value (or raises its error).
+    The child has the parent's memory as it was, so a planner measures there what it would measure here."""
+
+    def __init__(self, function):
+        read, write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: run, send the pickled outcome, leave without the parent's exit handlers
+            os.close(read)
+            try:
+                outcome = (True, function())
+            except BaseException as err:  # noqa: BLE001 (re-raised in the parent)
+                outcome = (False, err)
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(pickle.dumps(outcome))
+            os._exit(0)
+        os.close(write)
+        self.read = read
+
+    def cancel(self):
+        """Stop the child (its result is no longer needed)."""
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        os.close(self.read)
+
+    def result(self):
+        with os.fdopen(self.read, "rb") as pipe:
+            ok, value = pickle.loads(pipe.read())
+        os.waitpid(self.pid, 0)
+        if not ok:
+            raise value
+        return value
 
 
 class _QueueProgress:
