@@ -129,6 +129,10 @@ def test_forked_call_returns_or_raises_in_the_parent():
     assert search.ForkedCall(lambda: ("peak", 123)).result() == ("peak", 123)
     with pytest.raises(plan.PlanError, match="from the child"):
         search.ForkedCall(lambda: (_ for _ in ()).throw(plan.PlanError("from the child"))).result()
+    with pytest.raises(RuntimeError, match="a prefetched step's outcome"):  # an outcome that does not pickle
+        search.ForkedCall(lambda: lambda: None).result()
+    with pytest.raises(RuntimeError, match="ended without a result"):  # killed before it wrote
+        search.ForkedCall(lambda: os.kill(os.getpid(), 9)).result()
 
 
 def test_planner_prefetch_measures_what_a_step_measures():

@@ -11,19 +11,20 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
-def accumulate_grads(acc: list, grads, fp32_sums: bool = True) -> None:
+def accumulate_grads(acc: list, grads) -> None:
     """Add one chunk's parameter gradients into ``acc`` (None entries start the sum).
 
     Half-precision gradients are summed in fp32 and rounded once by the caller, like the unsplit
-    matmul, which also accumulates in fp32 and rounds once (measurement in mlp.py). With
-    ``fp32_sums=False`` they are summed in place in their own dtype, as autograd sums a parameter's
-    gradients (moe.py: the expert weights, whose fp32 sum would cost more memory than it saves).
+    matmul, which also accumulates in fp32 and rounds once (measurement in mlp.py).
     """
     for i, g in enumerate(grads):
-        _add_grad(acc, i, g, fp32_sums)
+        _add_grad(acc, i, g, fp32_sums=True)
 
 
 def _add_grad(acc: list, i: int, g, fp32_sums: bool) -> None:
+    """Add `g` into `acc[i]`. With ``fp32_sums=False`` a half-precision gradient is summed in its own dtype, as
+    autograd sums a parameter's gradients (moe.py: the expert weights, whose fp32 sum would cost more memory than it
+    saves)."""
     if g is None:
         return
     if acc[i] is None:

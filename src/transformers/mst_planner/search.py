@@ -71,14 +71,20 @@ class ForkedCall:
         read, write = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the child: run, send the pickled outcome, leave without the parent's exit handlers
-            os.close(read)
             try:
-                outcome = (True, function())
-            except BaseException as err:  # noqa: BLE001 (re-raised in the parent)
-                outcome = (False, err)
-            with os.fdopen(write, "wb") as pipe:
-                pipe.write(pickle.dumps(outcome))
-            os._exit(0)
+                os.close(read)
+                try:
+                    outcome = (True, function())
+                except BaseException as err:  # noqa: BLE001 (re-raised in the parent)
+                    outcome = (False, err)
+                try:
+                    payload = pickle.dumps(outcome)
+                except Exception as err:  # noqa: BLE001 (an outcome that does not pickle: say so instead)
+                    payload = pickle.dumps((False, RuntimeError(f"planner: a prefetched step's outcome {err!r}")))
+                with os.fdopen(write, "wb") as pipe:
+                    pipe.write(payload)
+            finally:  # never back into the parent's code
+                os._exit(0)
         os.close(write)
         self.read = read
 
@@ -90,8 +96,12 @@ class ForkedCall:
 
     def result(self):
         with os.fdopen(self.read, "rb") as pipe:
-            ok, value = pickle.loads(pipe.read())
-        os.waitpid(self.pid, 0)
+            payload = pipe.read()
+        _, status = os.waitpid(self.pid, 0)
+        if not payload:  # killed before it wrote (out of memory, a signal)
+            raise RuntimeError(f"planner: the process measuring a prefetched step ended without a result "
+                               f"(wait status {status}); run with --jobs 1 to measure in this process")
+        ok, value = pickle.loads(payload)
         if not ok:
             raise value
         return value
