@@ -6,6 +6,7 @@ feeds both the same fresh random inputs, and compares the loss, the gradient of 
 of `inputs_embeds` (helpers shared with test_mini_sequence_models.py).
 """
 
+import contextlib
 import zlib
 
 import pytest
@@ -72,7 +73,8 @@ def test_flag_saved_and_reloaded(family, tmp_path):
 
 def test_auto_chunk_policy():
     assert streaming_chunk_size("auto", 4096) == 4096  # hidden_size query tokens
-    assert streaming_chunk_size(7, 4096) == 7
+    assert streaming_chunk_size("auto", 256) == 1024  # at least 1024 (config.py: shorter chunks cost time)
+    assert streaming_chunk_size(7, 4096) == 7 and streaming_chunk_size(7, 256) == 7
 
 
 def test_flag_assigned_after_construction_is_checked_at_use():
@@ -104,18 +106,59 @@ def plain_causal_inputs(seed):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("chunk", [1, 7, SEQ + 5, "auto"], ids=str)
-def test_exact_plain_causal_sdpa_with_lower_right_bias(family, chunk, monkeypatch):
-    """No attention mask (batch 2, no padding, no window): the model passes none, and each chunk's mask is torch's
-    lower-right causal bias (no [chunk, keys] mask tensor; GQA, 4 query heads and 2 KV heads)."""
-    calls = []
+@pytest.mark.parametrize("path", ["split", "views", "bias-only"])
+def test_exact_plain_causal_sdpa_with_lower_right_bias(family, chunk, path, monkeypatch):
+    """No attention mask (batch 2, no padding, no window): the model passes none, and each chunk gets torch's
+    lower-right causal bias (no [chunk, keys] mask tensor; GQA, 4 query heads and 2 KV heads). On the CPU:
+    - split (float32, the default): the bias (masks.OwnKeysCausalBias) attends to the keys before the chunk and to its
+      own keys in two kernel calls; a single query's heads packed into rows (chunks of 1 under GQA) are torch's;
+    - views (what half precision takes): every call after the forward's first chunk gets a view of one additive
+      mask per layer call (masks.OffsetChunkMasks, built once in the forward and once in the backward);
+    - bias-only (what a CUDA run does): torch's bias for every chunk, which the CPU materializes."""
+    calls, built, splits = [], [], []
     monkeypatch.setattr(masks, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
+    real_masks = streamed_layer.OffsetChunkMasks
+    monkeypatch.setattr(streamed_layer, "OffsetChunkMasks", lambda *args: built.append(args) or real_masks(*args))
+    real_split = masks._PrefixAndOwnKeysAttention.apply
+    monkeypatch.setattr(masks._PrefixAndOwnKeysAttention, "apply", lambda *args: splits.append(args[0].shape) or real_split(*args))
+    if path != "split":
+        monkeypatch.setattr(masks, "SPLIT_DTYPES", ())
+    if path == "bias-only":
+        monkeypatch.setattr(streamed_layer.StreamedCall, "views_of_one_mask", lambda self: contextlib.nullcontext())
     compare_streaming(family, chunk, 0, inputs=plain_causal_inputs(seed_of(family, "plain", chunk)),
                       model_kwargs={"attn_implementation": "sdpa"})
     step = streaming_chunk_size(chunk, COMMON["hidden_size"])
     starts = range(0, SEQ, step)
-    # Every chunk, forward and backward, in both layers: (queries, keys) = (chunk length, its causal prefix).
+    # (queries, keys) = (chunk length, its causal prefix).
     expected = [(min(start + step, SEQ) - start, min(start + step, SEQ)) for start in starts]
-    assert sorted(set(calls)) == sorted(set(expected)) and len(calls) == 2 * 2 * len(expected), calls
+    every_chunk = sorted(expected * 2 * 2)  # forward and recompute, both layers
+    if path == "views":  # the forward's first chunk in both layers; one mask per layer in the forward and the backward
+        assert calls == [expected[0]] * 2, calls
+        assert len(built) == (2 * 2 if len(expected) > 1 else 2), built
+        assert all(args[:3] == (step, SEQ, None) and args[3] == torch.float32 for args in built), built
+    else:
+        assert sorted(calls) == every_chunk and not built, (calls, built)
+    if path == "split" and step > 1:  # every chunk with keys before it
+        assert len(splits) == 2 * 2 * (len(expected) - 1), splits
+    else:
+        assert not splits, splits
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 8, 40])
+@pytest.mark.parametrize(("seq", "chunk"), [(40, 7), (40, 40), (33, 8), (9, 16)])
+def test_offset_chunk_mask_views_equal_the_chunk_masks(window, seq, chunk):
+    """Each chunk's view of OffsetChunkMasks allows exactly what `sdpa_mask` builds for it (causal, sliding window)."""
+    if window is not None and window >= seq:
+        window = None  # as StreamedCall does: such a window cuts nothing
+    views = masks.OffsetChunkMasks(chunk, seq, window, torch.float32, torch.device("cpu"))
+    for start in range(0, seq, chunk):
+        end = min(start + chunk, seq)
+        kv_start = masks.window_start(window, start)
+        reference = masks.chunk_mask(None, 1, start, end, kv_start, end, window, torch.device("cpu"))
+        view = views.view(end - start, end - kv_start)
+        assert view.shape[-2:] == reference.shape[-2:]
+        assert torch.equal(view[0, 0] == 0, reference[0, 0]), (start, end, window)
+        assert bool(torch.isneginf(view[view != 0]).all())
 
 
 def test_plain_causal_chunks_under_dispatch_modes(monkeypatch):
@@ -369,6 +412,19 @@ def assert_bf16_as_accurate_as_upstream(family, **flags):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bf16_as_accurate_as_upstream(family):
     assert_bf16_as_accurate_as_upstream(family, streaming_backward_chunk=9)
+
+
+def test_bf16_linear_weights_one_fp32_out_gemm_per_chunk(monkeypatch):
+    """With a GEMM that writes fp32 (CUDA; stood in for here), each recomputed chunk's gradient of each bf16 linear
+    weight is one such GEMM into the fp32 sum, as accurate as upstream bf16."""
+    from test_mini_sequence_core import fp32_out_addmm_stand_in
+
+    calls = fp32_out_addmm_stand_in(monkeypatch)
+    assert_bf16_as_accurate_as_upstream("llama", streaming_backward_chunk=9)
+    # 96 tokens in 11 chunks of 9 (batch 3: 27 rows), 2 layers: q/k/v/o/gate/up/down per chunk; upstream's run makes
+    # no such call.
+    assert len(calls) == 2 * 11 * 7 and all(dtype == torch.bfloat16 for _, dtype in calls), len(calls)
+    assert sorted({rows for (_, rows), _ in calls}) == [18, 27]
 
 
 # ----------------------------------------------------------------------------- unchanged paths

@@ -198,6 +198,23 @@ def test_each_projection_sees_each_token_twice(family, monkeypatch):
     assert tokens_per_projection(checkpointed, inputs, monkeypatch) == counts
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral"])
+def test_mini_sequence_mlp_unsplit_inside_a_streamed_chunk(family, monkeypatch):
+    """Both flags, streamed chunks (8) longer than the MLP's mini-sequences (3): inside a chunk the MLP (Gemma-2: with
+    its post-feedforward norm; Mixtral: the MoE block) runs unsplit, so it sees each token twice a step, not three
+    times (a mini-sequence Function in the chunk's recompute would recompute it once more); exact."""
+    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", True)
+    inputs = plain_batch(seed_of(family, "inside"), seq=32)
+    implementation = "eager" if family == "gemma2" else "sdpa"
+    counts = tokens_per_projection(
+        build(family, streaming_backward_chunk=8, mini_sequence_chunk=3, attn_implementation=implementation),
+        inputs, monkeypatch,
+    )
+    assert counts and set(counts.values()) == {2.0}, counts
+    compare(family, 8, padded_batch(seed_of(family, "inside-exact")), monkeypatch, attn_implementation=implementation,
+            mini_sequence_chunk=3)
+
+
 def test_recomputed_keys_values_exact_and_counted(monkeypatch):
     """KEEP_KEYS_VALUES=False (the default: checkpointing's memory): the projections before the cache see 3 passes;
     exact with either setting."""
@@ -318,16 +335,28 @@ def test_hooked_attention_takes_the_autograd_fallback(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_plain_causal_sdpa_uses_the_lower_right_bias(family, monkeypatch):
-    """No mask: each chunk, forward and recompute, gets torch's lower-right causal bias (chunk, its causal prefix)."""
+@pytest.mark.parametrize("path", ["split", "views", "bias-only"])
+def test_plain_causal_sdpa_uses_the_lower_right_bias(family, path, monkeypatch):
+    """No mask: each chunk, forward and recompute, gets torch's lower-right causal bias (chunk, its causal prefix),
+    split by it on the CPU in float32; with that off (half precision), every call after the forward's first chunk gets
+    a view of one mask per layer call; with views off too, as on CUDA (test_streaming.py has the details)."""
+    import contextlib
+
     from torch.nn.attention.bias import causal_lower_right
-    from transformers.streaming_backward import masks
+    from transformers.streaming_backward import layer, masks
 
     calls = []
     monkeypatch.setattr(masks, "causal_lower_right", lambda *size: calls.append(size) or causal_lower_right(*size))
-    compare(family, 7, plain_batch(seed_of(family, "bias")), monkeypatch, attn_implementation="sdpa")
+    if path != "split":
+        monkeypatch.setattr(masks, "SPLIT_DTYPES", ())
+    if path == "bias-only":
+        monkeypatch.setattr(layer.StreamedCall, "views_of_one_mask", lambda self: contextlib.nullcontext())
+    compare(family, 7, plain_batch(seed_of(family, "bias", path)), monkeypatch, attn_implementation="sdpa")
     expected = [(min(start + 7, SEQ) - start, min(start + 7, SEQ)) for start in range(0, SEQ, 7)]
-    assert sorted(calls) == sorted(expected * 2 * COMMON["num_hidden_layers"])
+    if path == "views":
+        assert calls == expected[:1] * COMMON["num_hidden_layers"]
+    else:
+        assert sorted(calls) == sorted(expected * 2 * COMMON["num_hidden_layers"])
 
 
 def test_router_logits_in_training_refused():

@@ -9,6 +9,7 @@
 - `moe_forward(block, x)`: from the sparse MoE blocks' `forward` (Mixtral, Qwen3-MoE, GPT-OSS), as `mlp_forward`.
 """
 
+from ..mst_core.chunks import inside_streamed_chunk
 from ..loss.loss_utils import ForCausalLMLoss
 from ..modeling_outputs import CausalLMOutputWithPast
 from ..utils import logging
@@ -34,12 +35,13 @@ def mlp_forward(mlp, hidden_states):
         if (mini_sequence_out := mini_sequence.mlp_forward(self, x)) is not None:
             return mini_sequence_out
 
-    None when the flag is unset or `hidden_states` holds at most one mini-sequence along its token axis (-2),
+    None when the flag is unset, inside one streamed query chunk (mst_core/chunks.py: the chunk bounds the MLP's
+    working set already) or when `hidden_states` holds at most one mini-sequence along its token axis (-2),
     which includes each chunk that the chunked path passes back to the module's own `forward`
     (mlp.py's `module_forward`): the upstream body then runs per chunk, whatever it computes (a fused
     gate_up_proj, GELU, a sparse MoE block), and nothing of it is spelled out here."""
     config = mlp.config
-    if not enabled(config):
+    if not enabled(config) or inside_streamed_chunk():
         return None
     chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
     if hidden_states.shape[-2] <= chunk_size:
@@ -54,7 +56,7 @@ def mlp_then_norm(mlp, norm, hidden_states):
     With `mini_sequence_chunk` set the two run together one mini-sequence at a time (mlp.py's
     `mini_sequence_mlp_then_norm`: under checkpointing the MLP then runs twice a step, not three times)."""
     config = mlp.config
-    if not enabled(config):
+    if not enabled(config) or inside_streamed_chunk():
         return norm(mlp(hidden_states))
     chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
     return mini_sequence_mlp_then_norm(mlp, norm, hidden_states, chunk_size)
@@ -65,7 +67,7 @@ def moe_forward(block, hidden_states):
     or None (run upstream's body), as `mlp_forward`; moe.py records the router logits once, whole. Router jitter
     noise in training draws a different noise per chunk than over the whole sequence, so such a block runs unsplit."""
     config = block.config
-    if not enabled(config):
+    if not enabled(config) or inside_streamed_chunk():
         return None
     chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
     if hidden_states.shape[-2] <= chunk_size:

@@ -97,7 +97,8 @@ class LinearWeightGradsSummed(TorchFunctionMode):
     the backend has one (`add_linear_weight_grad`): autograd never computes a half-precision ``[out, in]`` product
     for ``w`` to be added into the fp32 sum. Any other use of ``w`` still reaches it through autograd
     (`summed_as_computed`). ``seen`` holds the indices taken over, whose gradient autograd may then leave None.
-    This is the linear layer's weight gradient and nothing else: the module's own forward runs unchanged."""
+    This is the linear layer's weight gradient and nothing else: the module's own forward runs unchanged. Used by the
+    mini-sequence MLP Function and by a streamed layer's backward, for their recomputation of one chunk."""
 
     def __init__(self, sums: list, params):
         super().__init__()
@@ -109,7 +110,8 @@ class LinearWeightGradsSummed(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and self.index:
+        # Not under no_grad (e.g. a chunked Function's own forward inside the recomputed chunk): nothing to take.
+        if func is F.linear and self.index and torch.is_grad_enabled():
             x = args[0] if args else kwargs.get("input")
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             i = self.index.get(id(weight))

@@ -29,7 +29,7 @@ class _ChunkCache:
         return 0
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        self.updated = True
+        self.updated, self.keys_dtype = True, key_states.dtype
         keys, values = self._update(key_states, value_states)
         if self.silent_rows is not None:
             values = values.masked_fill(self.silent_rows[:, None, None, None], 0)

@@ -30,13 +30,15 @@ K/V without graph (the layer stopped at the cache); `KEEP_KEYS_VALUES = True` ke
 (2 passes through q/k/v, more memory).
 """
 
+import contextlib
 import inspect
 
 import torch
 
+from ..mst_core.chunks import one_streamed_chunk
 from ..mst_core.families import streaming_model_types
 from ..mst_core.fields import STREAMING_FIELD
-from ..mst_core.grads import summed_as_computed
+from ..mst_core.grads import LinearWeightGradsSummed, may_have_fp32_out_gemm, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
 from .cache import BackwardCache, FixedCache, JoinedCache, RecordingCache, StopAfterKeysValues
@@ -50,12 +52,14 @@ from .checks import (
 from .config import streaming_chunk_size
 from .masks import (
     FLASH_VARLEN_KWARGS,
+    OffsetChunkMasks,
     chunk_mask,
     flash_chunk_mask,
     packed_sequence_starts,
     plan_flash_chunks,
     plan_key_ranges,
     sliding_window,
+    splits_on_cpu,
 )
 from .offload import SavedInput, input_storage
 from .rows import RowBlocks, row_blocks
@@ -125,6 +129,20 @@ class StreamedCall:
         else:
             self.key_ranges, self.blind = plan_key_ranges(mask, self.chunks, self.window, self.seq_len)
         self.chunk_rng, self.kv_rng = None, {}
+        # The chunks' masks as views of one tensor (masks.OffsetChunkMasks), on the CPU where the model passed no
+        # mask and the attention is not split by the causal bias (masks.OwnKeysCausalBias: float32/64), inside
+        # `views_of_one_mask` (the Function's forward, its backward): built once the K/V dtype is known (the first
+        # chunk's cache update; SDPA wants a float mask in the queries' dtype), freed on leaving.
+        self.chunk_size, self.keys_dtype, self.offset_masks = chunk, None, None
+        self.use_offset_masks = self.mask is None and not self.flash and self.device.type == "cpu"
+
+    @contextlib.contextmanager
+    def views_of_one_mask(self):
+        self.offset_masks = False if self.use_offset_masks else None
+        try:
+            yield
+        finally:
+            self.offset_masks = None
 
     def call(self, x_chunk, index, cache):
         """The layer's own forward on chunk `index` (rows of `x_chunk`), its attention meeting `cache`."""
@@ -139,13 +157,22 @@ class StreamedCall:
             cache.silent_rows = self.silent_rows[index]
         elif self.mask is None and self.bottom_right:
             kwargs["attention_mask"] = None
+        elif self.offset_masks is not None and self.keys_dtype is not None and not (
+            self.causal_bias and splits_on_cpu(self.keys_dtype)  # the bias splits the attention itself (masks.py)
+        ):
+            if self.offset_masks is False:
+                self.offset_masks = OffsetChunkMasks(
+                    self.chunk_size, self.seq_len, self.window, self.keys_dtype, self.device
+                )
+            kwargs["attention_mask"] = self.offset_masks.view(end - start, kv_end - kv_start)
         else:
             kwargs["attention_mask"] = chunk_mask(
                 self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
             )
         kwargs[self.cache_name] = cache
         try:
-            out = self.forward(self.layer, x_chunk, **kwargs)
+            with one_streamed_chunk():  # the mini-sequence MLP runs unsplit in it (mst_core/chunks.py)
+                out = self.forward(self.layer, x_chunk, **kwargs)
         except StopAfterKeysValues:
             return None
         except Exception as error:
@@ -154,6 +181,7 @@ class StreamedCall:
             raise
         if not cache.updated:
             raise self._not_streamable()
+        self.keys_dtype = cache.keys_dtype
         return out[0] if isinstance(out, tuple) else out
 
     def _not_streamable(self):
@@ -227,7 +255,8 @@ class StreamedLayerFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(x)
             ctx.saved_input = None
-        out, keys, values = streamed.run(x, record_rng=True)
+        with streamed.views_of_one_mask():
+            out, keys, values = streamed.run(x, record_rng=True)
         ctx.keys_values = (keys, values) if KEEP_KEYS_VALUES else None
         return out
 
@@ -241,7 +270,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         acc = [None] * len(wanted)
         device = grad_out.device
         # Each parameter gradient is added into `acc` as autograd computes it (the calls below get zeros of no storage).
-        with restore_autocast_state(ctx.autocast_state), summed_as_computed(acc, wanted):
+        with restore_autocast_state(ctx.autocast_state), summed_as_computed(acc, wanted), streamed.views_of_one_mask():
             if ctx.keys_values is not None:
                 keys, values = ctx.keys_values
                 ctx.keys_values = None
@@ -278,9 +307,14 @@ class StreamedLayerFunction(torch.autograd.Function):
                 kv_start, kv_end = streamed.key_ranges[index]
                 # Its own K/V alone (no output): the state of the forward pass that wrote them.
                 rng = streamed.chunk_rng[index] if outputs else streamed.keys_values_rng(index)
+                # Half-precision linear weights: each chunk's gradient is one fp32-output GEMM into `acc` where the
+                # backend has one (CUDA), not a half product added into the fp32 sum (mst_core/grads.py).
+                take_linears = may_have_fp32_out_gemm(grad_out)
+                linear_sums = LinearWeightGradsSummed(acc, wanted) if take_linears else contextlib.nullcontext()
                 with restore_rng_state(rng, device), torch.enable_grad():
                     x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
-                    out = streamed.call(x_chunk, index, cache)
+                    with linear_sums:
+                        out = streamed.call(x_chunk, index, cache)
                     inputs = [*([x_chunk] if needs_x else []), *wanted]
                     if not checked:
                         tensors = ([out] if outputs else []) + [cache.keys, cache.values]
@@ -432,6 +466,6 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
         with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
             return _forward_with_checkpoints(streamed, hidden_states)
     if not (hidden_states.requires_grad or params):
-        with torch.no_grad():
+        with torch.no_grad(), streamed.views_of_one_mask():
             return streamed.run(hidden_states)[0]
     return StreamedLayerFunction.apply(hidden_states, streamed, storage, *params)
