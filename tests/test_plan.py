@@ -11,6 +11,7 @@ from conftest import run_py
 from transformers.mst_core import wrappers
 from transformers.mst_core.memory import LiveTensorTracker
 from transformers.mst_planner import cli, plan, search, standins
+from transformers.streaming_backward.config import streaming_chunk_size
 
 TINY = dict(vocab_size=8000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4)
 STREAMED = [m for m, settings in plan.METHODS.items() if settings.streaming_backward_chunk is not None]
@@ -394,7 +395,7 @@ def test_streamed_layer_input_offload():
         assert offloaded.host_bytes(method, seq) == layer_inputs, method
         assert kept.host_bytes(method, seq) == 0
         saved = kept.step_peak_bytes(method, seq) - offloaded.step_peak_bytes(method, seq)
-        one_chunk = TINY["hidden_size"] * TINY["hidden_size"] * 2  # "auto": d query tokens of [., d] bf16
+        one_chunk = streaming_chunk_size("auto", TINY["hidden_size"]) * TINY["hidden_size"] * 2  # [chunk, d] bf16
         assert layer_inputs - one_chunk <= saved <= layer_inputs, (method, saved, layer_inputs)
 
 
@@ -521,9 +522,13 @@ PINNED_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, n
 # 12b1a77 (before this branch changed plan.py), on this repository's CPU machine: 185 s there under load. Changed
 # once since, by the runtime, not the planner: 5.24.0+mst.13 adds each chunk's parameter gradients into their sums
 # as autograd computes them (`summed_as_computed`), so mini_sequence+checkpointing 1024 -> 1280 and
-# mini_sequence+streaming 2304 -> 2560 (mst.12's runtime with this planner still gives 1024 and 2304).
+# mini_sequence+streaming 2304 -> 2560 (mst.12's runtime with this planner still gives 1024 and 2304). And by
+# 5.24.0+mst.16: streaming "auto" chunks are at least 1024 tokens (this config's d is 256), and inside a streamed
+# chunk the MLP runs unsplit (no third MLP pass), so up to 1024 tokens a streamed layer is one chunk holding its
+# whole MLP working set, as checkpointing's recompute does: streaming 1024 -> 768, mini_sequence+streaming 2560 ->
+# 768 at this 0.03 GiB budget. Models with d >= 1024 (every built-in checkpoint) plan as before.
 PINNED_MAX_SEQ_LEN = {"vanilla": 256, "checkpointing": 768, "mini_sequence": 512, "mini_sequence+checkpointing": 1280,
-                      "streaming": 1024, "mini_sequence+streaming": 2560}
+                      "streaming": 768, "mini_sequence+streaming": 768}
 PINNED_PEAK_GIB = {"vanilla": 0.02, "checkpointing": 0.03, "mini_sequence": 0.03, "mini_sequence+checkpointing": 0.03,
                    "streaming": 0.03, "mini_sequence+streaming": 0.03}
 
