@@ -142,8 +142,9 @@ def summed_as_computed(acc: list, params, fp32_sums: bool = True):
     bf16 Mixtral MoE block (16 experts, d=256, 2048 tokens, chunks of 256), the block's backward peak went from 38.7
     to 22.8 MiB (the same chunks checkpointed, summed by autograd: 29.3 MiB).
 
-    Nested (a mini-sequence MLP inside a streamed layer, both summing the MLP's weights): only the innermost context
-    takes a gradient; the outer one passes it on, and takes the inner Function's result when autograd delivers it."""
+    Nested (one chunked Function's recompute running another, both summing the same weights; the streamed layer runs
+    the mini-sequence MLP unsplit since mst.16, mst_core/chunks.py): only the innermost context takes a gradient; the
+    outer one passes it on, and takes the inner Function's result when autograd delivers it."""
     stack = _summing.__dict__.setdefault("stack", [])
     me = object()
 
