@@ -114,11 +114,12 @@ def test_same_loss_and_finite_gradients_as_upstream(method, kind):
         assert grads[name] is not None, f"{name} got no gradient"
         assert torch.isfinite(grads[name]).all(), f"{name}: non-finite gradient (upstream's is finite)"
     # Nothing predicted: upstream's gradients are exactly 0, and so must ours be. Else each gradient within
-    # 1e-5 of upstream's, relative to its own scale; one that upstream gets as exactly 0 while others are not
-    # (a first query attending to one key) may differ by rounding, relative to the largest gradient.
+    # 1e-5 of upstream's, relative to its own scale; one that is 0 in exact arithmetic while others are not
+    # (S=2: the only predicting query attends to one key, so q_proj's gradient is 0) comes out as 0 or as rounding
+    # (2e-10 against 0.59 on one machine, 0 on another): ours must then be rounding too, relative to the largest.
     largest = max(ref.abs().max() for ref in ref_grads.values())
     for name, ref in ref_grads.items():
-        if ref.abs().max() > 0:
+        if ref.abs().max() > 1e-6 * largest:
             assert_close(grads[name], ref, what=name)
         else:
             assert grads[name].abs().max() <= 1e-6 * largest, f"{name}: upstream's gradient is 0, ours is not"

@@ -465,7 +465,7 @@ class _PlainAutogradStreaming:
         for index in streamed.forward_order():
             start, end = streamed.chunks[index]
             cache = GraphCache(start, *streamed.key_ranges[index], write=index not in streamed.blind)
-            outputs[index] = streamed.call(x[:, start:end], index, cache)
+            outputs[index] = streamed.call(x[:, start:end], index, cache)[0]  # (out,): no router here
         return torch.cat([outputs[index] for index in range(len(streamed.chunks))], dim=1)
 
 

@@ -238,6 +238,39 @@ def test_gemma3_conditional_generation_text_config_flag(chunk, caplog):
     assert_same_step(result, reference)
 
 
+@pytest.mark.parametrize("chunk", [3, 7], ids=str)
+def test_gemma3_conditional_generation_streams_images(chunk, monkeypatch):
+    """`text_config.streaming_backward_chunk` on Gemma-3 as users load it, with images: the image tokens attend to each
+    other both ways (`token_type_ids`), so a chunk that splits an image block reads every key (masks.plan_key_ranges);
+    both flags, exact against the unsplit composite (vision tower and projector gradients included)."""
+    from transformers.streaming_backward import layer as streamed_layer
+
+    vocab = COMMON["vocab_size"]
+    gen = torch.Generator().manual_seed(chunk)
+    ids = torch.randint(1, vocab - 3, (2, 24), generator=gen)
+    ids[:, 5], ids[:, 6:10], ids[:, 10] = vocab - 3, vocab - 1, vocab - 2  # boi, 4 image tokens, eoi
+    token_type_ids = (ids == vocab - 1).long()
+    pixel_values = torch.randn(2, 3, 16, 16, generator=gen)
+    labels = ids.masked_fill(token_type_ids.bool(), -100)
+
+    def step(model):
+        model.train()
+        out = model(input_ids=ids, pixel_values=pixel_values, token_type_ids=token_type_ids, labels=labels)
+        out.loss.backward()
+        return out.loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = step(gemma3_multimodal())
+    calls = []
+    real = streamed_layer.StreamedLayerFunction.apply
+    monkeypatch.setattr(streamed_layer.StreamedLayerFunction, "apply", lambda *args: calls.append(1) or real(*args))
+    loss, grads = step(gemma3_multimodal(streaming_backward_chunk=chunk, mini_sequence_chunk=4))
+    assert len(calls) == NEW_FAMILIES["gemma3_text"][2].get("num_hidden_layers", COMMON["num_hidden_layers"])
+    assert_close(loss, ref_loss, what="loss")
+    assert grads.keys() == ref_grads.keys() and any("vision" in n for n in grads)
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+
+
 # ----------------------------------------------------------------------------- MoE: the auxiliary loss
 
 

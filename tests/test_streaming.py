@@ -635,16 +635,23 @@ def test_unsupported_attention_implementation_raises_at_first_training_forward()
         model.train()(input_ids=ids, labels=ids)
 
 
-def test_non_causal_mask_raises():
-    """A 4D mask that lets a query see a later key (prefix LM) cannot be streamed over the causal prefix."""
-    model = make_model("llama", streaming_backward_chunk=4, attn_implementation="eager").train()
+@pytest.mark.parametrize("chunk", [1, 4, 5], ids=str)
+def test_non_causal_mask_exact(chunk):
+    """A 4D mask that lets a query see later keys (a bidirectional prefix of 6, prefix-LM style): the chunks holding
+    such queries read every key (blind chunks, masks.plan_key_ranges), exact against the unsplit layer."""
     seq = 12
     mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool))
-    mask[:6, :6] = True  # bidirectional prefix
-    additive = torch.zeros(1, 1, seq, seq).masked_fill(~mask, torch.finfo(torch.float32).min)
-    ids = torch.ones(1, seq, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"query tokens 0..3 see keys outside their causal prefix \[0, 4\)"):
-        model(input_ids=ids, attention_mask=additive, labels=ids)
+    mask[:6, :6] = True
+    additive = torch.zeros(2, 1, seq, seq).masked_fill(~mask, torch.finfo(torch.float32).min)
+    ids = torch.randint(1, 100, (2, seq), generator=torch.Generator().manual_seed(chunk))
+    results = [train_step(make_model("llama", streaming_backward_chunk=value, attn_implementation="eager"), ids,
+                          additive, ids) for value in (None, chunk)]
+    (ref, ref_grads, ref_embeds), (out, grads, embeds) = results
+    assert_close(out.loss, ref.loss, what="loss")
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+    assert_close(embeds, ref_embeds, what="inputs_embeds")
 
 
 def test_bidirectional_gemma2_raises():

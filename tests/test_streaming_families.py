@@ -216,16 +216,59 @@ def test_mini_sequence_mlp_unsplit_inside_a_streamed_chunk(family, monkeypatch):
 
 
 def test_recomputed_keys_values_exact_and_counted(monkeypatch):
-    """KEEP_KEYS_VALUES=False (the default: checkpointing's memory): the projections before the cache see 3 passes;
-    exact with either setting."""
+    """KEEP_KEYS_VALUES=False (the default: checkpointing's memory): k_proj/v_proj see 3 passes (the backward's K/V
+    pass), q_proj 2 (that pass skips it: cache.queries_not_computed), a fused qkv_proj 3; exact with either setting,
+    left padding (blind chunks: K/V-only passes in the forward too) included."""
     assert generic.KEEP_KEYS_VALUES is False
     compare("qwen3", 5, padded_batch(seed_of("recompute")), monkeypatch, attn_implementation="sdpa")
     monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", True)
     compare("qwen3", 5, padded_batch(seed_of("keep")), monkeypatch, attn_implementation="sdpa")
     monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", False)
     counts = tokens_per_projection(build("qwen3", streaming_backward_chunk=4), plain_batch(3, seq=32), monkeypatch)
-    assert counts == {"self_attn.q_proj": 3.0, "self_attn.k_proj": 3.0, "self_attn.v_proj": 3.0,
+    assert counts == {"self_attn.q_proj": 2.0, "self_attn.k_proj": 3.0, "self_attn.v_proj": 3.0,
                       "self_attn.o_proj": 2.0, "mlp.gate_proj": 2.0, "mlp.up_proj": 2.0, "mlp.down_proj": 2.0}
+    counts = tokens_per_projection(build("phi3", streaming_backward_chunk=4), plain_batch(4, seq=32), monkeypatch)
+    assert counts == {"self_attn.qkv_proj": 3.0, "self_attn.o_proj": 2.0, "mlp.gate_up_proj": 2.0,
+                      "mlp.down_proj": 2.0}
+
+
+def test_query_projection_skipped_only_where_nothing_else_changes():
+    """cache.discardable_query_projection: a plain Linear or a LoRA-like module without dropout is skipped by a K/V
+    pass; one holding a dropout with p > 0 (its draws come before k/v's, which the pass replays), one with hooks,
+    or one without `out_features` is not. Skipped, it returns zeros of the projection's output shape and dtype."""
+    from transformers.streaming_backward.cache import discardable_query_projection, queries_not_computed
+
+    class LoraLike(torch.nn.Module):
+        def __init__(self, dropout):
+            super().__init__()
+            self.base_layer, self.out_features = torch.nn.Linear(8, 12), 12
+            self.lora_dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+
+        def forward(self, x):
+            return self.base_layer(x) + self.lora_dropout(x).sum(-1, keepdim=True)
+
+    def attention(q_proj):
+        attn = torch.nn.Module()
+        attn.q_proj = q_proj
+        return attn
+
+    plain, lora, lora_dropout = torch.nn.Linear(8, 12), LoraLike(0.0), LoraLike(0.1)
+    hooked = torch.nn.Linear(8, 12)
+    hooked.register_forward_hook(lambda *args: None)
+    assert discardable_query_projection(attention(plain)) is plain
+    assert discardable_query_projection(attention(lora)) is lora
+    assert discardable_query_projection(attention(lora_dropout)) is None
+    assert discardable_query_projection(attention(hooked)) is None
+    assert discardable_query_projection(attention(torch.nn.Identity())) is None
+    assert discardable_query_projection(torch.nn.Module()) is None  # no q_proj (e.g. a fused qkv_proj)
+    x = torch.randn(2, 3, 8)
+    with queries_not_computed(lora):
+        skipped = lora(x)
+    assert skipped.shape == (2, 3, 12) and skipped.dtype == x.dtype and not skipped.any()
+    with torch.autocast("cpu", dtype=torch.bfloat16), queries_not_computed(plain):
+        assert plain(x).dtype == torch.bfloat16
+    assert torch.equal(lora(x), lora.base_layer(x) + x.sum(-1, keepdim=True))  # restored
+    assert "forward" not in vars(lora)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -359,12 +402,55 @@ def test_plain_causal_sdpa_uses_the_lower_right_bias(family, path, monkeypatch):
         assert sorted(calls) == sorted(expected * 2 * COMMON["num_hidden_layers"])
 
 
-def test_router_logits_in_training_refused():
-    """Mixtral's auxiliary loss reads router logits captured inside the layer: per chunk and without graph here."""
-    model = build("mixtral", streaming_backward_chunk=7, output_router_logits=True).train()
-    ids = torch.randint(1, 100, (1, 12))
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        model(input_ids=ids, labels=ids)
+MOE_FAMILIES = [("mixtral", "sdpa"), ("qwen3_moe", "sdpa"), ("gpt_oss", "eager")]
+
+
+@pytest.mark.parametrize(("family", "implementation"), MOE_FAMILIES)
+@pytest.mark.parametrize("variant", ["function", "both flags", "fallback"])
+def test_router_logits_and_aux_loss_exact(family, implementation, variant, monkeypatch):
+    """output_router_logits=True in training (the auxiliary load-balancing loss, coefficient 1.0 in the tiny configs,
+    added to the loss): the router logits come back whole, token-major, with their graph (streaming_backward/router.py),
+    so the loss, the aux loss, the logits and every gradient equal the unsplit model's. Qwen3-MoE's first layer is
+    dense (`mlp_only_layers`: no router there). Left padding (blind chunks) and ignored labels; the Function, both
+    flags, and the autograd fallback wrapped layers take."""
+    if variant == "fallback":
+        monkeypatch.setattr(generic, "layer_parameters", lambda layer: None)
+    extra = dict(mini_sequence_chunk=3) if variant == "both flags" else {}
+    inputs = padded_batch(seed_of(family, "router", variant))
+    step_kwargs = dict(output_router_logits=True)
+    reference = train_step(build(family, attn_implementation=implementation), *inputs, **step_kwargs)
+    model = build(family, streaming_backward_chunk=5, attn_implementation=implementation, **extra)
+    calls = []
+    real = generic.StreamedLayerFunction.apply
+    monkeypatch.setattr(generic.StreamedLayerFunction, "apply", lambda *args: calls.append(1) or real(*args))
+    result = train_step(model, *inputs, **step_kwargs)
+    assert len(calls) == (0 if variant == "fallback" else model.config.num_hidden_layers)
+    assert_same_training(model, reference, result)
+    ref_out, out = reference[0], result[0]
+    assert ref_out.aux_loss is not None and ref_out.aux_loss.item() > 0
+    assert_close(out.aux_loss, ref_out.aux_loss, what="aux_loss")
+    assert len(out.router_logits) == len(ref_out.router_logits) > 0
+    for got, expected in zip(out.router_logits, ref_out.router_logits):
+        assert got.shape == expected.shape and got.requires_grad
+        assert_close(got, expected, what="router_logits")
+
+
+def test_router_logits_attached_to_the_aux_loss_gradient(monkeypatch):
+    """The router weights' gradient depends on the aux loss's path through the recorded logits: handed over without
+    their graph (as per-chunk capture in the no-grad streamed forward would give them), the gradients differ, so the
+    test above can fail."""
+    from transformers.streaming_backward import layer as streamed_layer
+
+    inputs = padded_batch(seed_of("router", "detached"))
+    reference = train_step(build("mixtral"), *inputs, output_router_logits=True)
+    real = streamed_layer.router.hand_over
+    monkeypatch.setattr(streamed_layer.router, "hand_over",
+                        lambda result: real((result[0], result[1].detach()) if isinstance(result, tuple) else result))
+    result = train_step(build("mixtral", streaming_backward_chunk=5), *inputs, output_router_logits=True)
+    assert_close(result[0].loss, reference[0].loss, what="loss")  # the values are right, only the graph is missing
+    name = next(n for n in reference[1] if n.endswith("mlp.gate.weight"))
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_close(result[1][name], reference[1][name], what=name)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

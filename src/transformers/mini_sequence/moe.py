@@ -26,21 +26,13 @@ import torch
 
 from ..utils import output_capturing
 from .mlp import _as_outputs, _forward_chunks, chunked_function, module_forward
-from ..mst_core.wrappers import checkpointed_chunks, function_parameters
-
-
-ROUTER_LOGITS = "router_logits"
+from ..mst_core.wrappers import ROUTER_LOGITS, checkpointed_chunks, function_parameters, is_output_capturing_hook
 
 
 def _records_router_logits(hook) -> bool:
-    """Whether `hook` is upstream's output-capturing forward hook for the router logits (utils/output_capturing.py's
-    `install_output_capuring_hook(module, "router_logits", ...)`). It only appends the router's output to the running
-    forward's collector, which `_chunk_forward` sets, so it does not stop the Function path (mst_core/wrappers.py)."""
-    code = getattr(hook, "__code__", None)
-    if code is None or code.co_name != "output_capturing_hook" or hook.__module__ != output_capturing.__name__:
-        return False
-    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
-    return cells.get("key") == ROUTER_LOGITS
+    """Upstream's router-logits recorder: it only appends to the collector `_chunk_forward` sets, so it does not stop
+    the Function path."""
+    return is_output_capturing_hook(hook, ROUTER_LOGITS)
 
 
 def _token_major(per_chunk: list, batch_shape: torch.Size) -> torch.Tensor:

@@ -60,7 +60,7 @@ FAMILIES = {
                       tiny={"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                             "router_aux_loss_coef": 1.0}),
     "gemma3": Family("Gemma-3 multimodal", "Gemma3Config", "Gemma3ForConditionalGeneration", "text_config",
-                     no_streaming="not tried"),
+                     no_streaming="on `text_config`: the text layers, as Gemma-3 text (images included)"),
     "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", adjoint=True, tiny={}),
     "falcon_mamba": Family("FalconMamba", "FalconMambaConfig", "FalconMambaForCausalLM", "lm_head", adjoint=True,
                            tiny={}),

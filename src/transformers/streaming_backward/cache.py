@@ -6,6 +6,8 @@ streamed layer runs the decoder layer's own forward on one query chunk at a time
 as its cache: `update` is where the chunk's keys/values meet the earlier tokens'.
 """
 
+import contextlib
+
 import torch
 
 
@@ -132,3 +134,41 @@ class FixedCache(_ChunkCache):
 
     def _update(self, keys, values):
         return self.keys, self.values
+
+
+def discardable_query_projection(attn):
+    """`attn.q_proj` if a pass that stops at the cache may skip it (its queries are never read), else None.
+
+    Only where skipping changes nothing else: a module with `out_features` (nn.Linear, a PEFT LoRA layer, a 4-bit
+    Linear), no hooks of its own and no dropout with p > 0 inside (a K/V pass replays the forward's RNG state: a skipped
+    dropout draw would shift those of k_proj/v_proj, e.g. LoRA dropout). A fused projection (Phi-3's `qkv_proj`)
+    computes the keys too: not skipped."""
+    projection = getattr(attn, "q_proj", None)
+    if not isinstance(projection, torch.nn.Module) or not isinstance(getattr(projection, "out_features", None), int):
+        return None
+    if projection._forward_hooks or projection._forward_pre_hooks or "forward" in vars(projection):
+        return None
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in projection.modules()):
+        return None
+    return projection
+
+
+@contextlib.contextmanager
+def queries_not_computed(projection):
+    """While the layer runs only up to the cache, `projection` (discardable_query_projection) returns zeros of its
+    output's shape instead of multiplying, so the query projection sees each token twice a step (the forward and the
+    chunk's recompute), as under checkpointing, and not a third time in the backward's K/V pass."""
+    if projection is None:
+        yield
+        return
+
+    def zeros(x, *args, **kwargs):
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        return x.new_zeros(x.shape[:-1] + (projection.out_features,), dtype=dtype)
+
+    projection.forward = zeros
+    try:
+        yield
+    finally:
+        del projection.forward

@@ -5,6 +5,7 @@ import torch
 from ..mst_core.families import model_types
 from ..mst_core.fields import STREAMING_FIELD
 from .masks import masks_offset_chunk_itself
+from .router import ROUTER_LOGITS
 
 
 FLASH_ATTENTION = "flash_attention_2"
@@ -91,12 +92,13 @@ def check_no_zero3_moe(layer) -> None:
 
 
 def check_captured_outputs(layer) -> None:
-    """Outputs that transformers captures inside the layer (attentions, MoE router logits: hooks on submodules)
-    would be captured once per chunk, without graph: refused. Hidden states are captured around the layer: fine."""
+    """Outputs that transformers captures inside the layer (attentions: hooks on submodules) would be captured once per
+    chunk, without graph: refused. Hidden states are captured around the layer, MoE router logits by router.py: fine."""
     from ..utils.output_capturing import _active_collector
 
     collector = _active_collector.get()
-    inside = sorted(key for key in (collector or {}) if key not in ("hidden_states", "_hidden_states_layers"))
+    handled = ("hidden_states", "_hidden_states_layers", ROUTER_LOGITS)
+    inside = sorted(key for key in (collector or {}) if key not in handled)
     if inside:
         raise ValueError(
             f"{STREAMING_FIELD}: output_{inside[0]}=True is not supported in training with streaming backward "

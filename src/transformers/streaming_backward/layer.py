@@ -15,19 +15,22 @@ a cache (cache.JoinedCache) that returns the buffers' K/V[kv_start:end] (views, 
 layer computes for the chunk's own rows. One `autograd.grad` of out_i then does everything: at the join, the
 gradient of the earlier rows is added into dK/dV (row blocks, rows.py), and that of the chunk's own rows, plus
 what later chunks summed there (final: earlier chunks read no key after their own start), flows on through the
-layer's own K/V projections, norms and RoPE. o_proj and the MLP see each token twice per step (forward and one
-recompute), as under checkpointing, q/k/v three times (the K/V pass below), and chunk i reads only keys before
-its end.
+layer's own K/V projections, norms and RoPE. q_proj, o_proj and the MLP see each token twice per step (forward and
+one recompute), as under checkpointing, k_proj/v_proj three times (the K/V pass below, which skips q_proj where
+nothing in it draws random numbers: cache.queries_not_computed), and chunk i reads only keys before its end.
 
-A chunk holding a query row that sees no key (a left-padding position) reads the whole sequence, as the unsplit
-layer does (masks.plan_key_ranges): in the forward it first only records its K/V (the layer stops at the cache,
+A chunk holding a query row that sees no key (a left-padding position) or a key after the chunk's end (a
+bidirectional block: Gemma-3's image tokens, a prefix-LM mask) reads the whole sequence with its full mask rows, as
+the unsplit layer does (a blind chunk, masks.plan_key_ranges): in the forward it first only records its K/V (the layer stops at the cache,
 `StopAfterKeysValues`) and runs once every key exists; in the backward its output is backpropagated first
 (every key a leaf), its own K/V at its turn (the layer stopped at the cache again). Only such chunks cost one
 more pass through the projections before the cache.
 
 By default only the layer input is kept (checkpointing's memory), and the backward first recomputes every chunk's
 K/V without graph (the layer stopped at the cache); `KEEP_KEYS_VALUES = True` keeps the forward's K/V instead
-(2 passes through q/k/v, more memory).
+(2 passes through k/v, more memory).
+
+MoE router logits (`output_router_logits=True`) come back whole, with their graph, as one more output (router.py).
 """
 
 import contextlib
@@ -41,7 +44,15 @@ from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import LinearWeightGradsSummed, may_have_fp32_out_gemm, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
-from .cache import BackwardCache, FixedCache, JoinedCache, RecordingCache, StopAfterKeysValues
+from .cache import (
+    BackwardCache,
+    FixedCache,
+    JoinedCache,
+    RecordingCache,
+    StopAfterKeysValues,
+    discardable_query_projection,
+    queries_not_computed,
+)
 from .checks import (
     FLASH_ATTENTION,
     check_attention_call,
@@ -49,6 +60,7 @@ from .checks import (
     check_captured_outputs,
     check_no_zero3_moe,
 )
+from . import router
 from .config import streaming_chunk_size
 from .masks import (
     FLASH_VARLEN_KWARGS,
@@ -67,10 +79,11 @@ from .wrappers import layer_parameters
 
 
 # Keep the forward's K/V of every layer until its backward (2 passes per token through every projection) instead
-# of recomputing them there (checkpointing's memory; 3 passes through the projections before the cache). Off:
+# of recomputing them there (checkpointing's memory; 3 passes through k_proj/v_proj, and through a fused qkv_proj or
+# a q_proj with dropout inside, e.g. LoRA's, see cache.discardable_query_projection). Off:
 # kept K/V cost 2 * kv_heads * head_dim values per token per layer over the whole step (half of a layer input's
 # size with 4 query heads per K/V head, as much with MHA), and memory is what streaming is for; the third pass
-# through q/k/v costs about 3% of a Llama-3-8B step's matmul FLOPs.
+# through k/v costs about 1.3% of a Llama-3-8B step's matmul FLOPs (q_proj's would be 2.5%: skipped).
 KEEP_KEYS_VALUES = False
 STREAMING_MODEL_TYPES = streaming_model_types()
 
@@ -135,6 +148,10 @@ class StreamedCall:
         # chunk's cache update; SDPA wants a float mask in the queries' dtype), freed on leaving.
         self.chunk_size, self.keys_dtype, self.offset_masks = chunk, None, None
         self.use_offset_masks = self.mask is None and not self.flash and self.device.type == "cpu"
+        # The query projection a pass stopping at the cache skips (cache.queries_not_computed); set by
+        # decoder_layer_forward on the Function's path only (under a wrapper's hooks every module runs as upstream's).
+        self.query_projection = None
+        self.records_router_logits = router.recording()  # (router.py) known in the forward, kept for the backward
 
     @contextlib.contextmanager
     def views_of_one_mask(self):
@@ -145,7 +162,8 @@ class StreamedCall:
             self.offset_masks = None
 
     def call(self, x_chunk, index, cache):
-        """The layer's own forward on chunk `index` (rows of `x_chunk`), its attention meeting `cache`."""
+        """The layer's own forward on chunk `index` (rows of `x_chunk`), its attention meeting `cache`: (its output,)
+        or (its output, its router logits) (router.py); None where the layer stopped at the cache."""
         start, end = self.chunks[index]
         kv_start, kv_end = self.key_ranges[index]
         kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
@@ -171,7 +189,13 @@ class StreamedCall:
             )
         kwargs[self.cache_name] = cache
         try:
-            with one_streamed_chunk():  # the mini-sequence MLP runs unsplit in it (mst_core/chunks.py)
+            # The mini-sequence MLP runs unsplit in a streamed chunk (mst_core/chunks.py); a pass that stops at the
+            # cache skips the query projection.
+            with (
+                one_streamed_chunk(),
+                queries_not_computed(self.query_projection if cache.stop else None),
+                router.chunk_collector(self.records_router_logits) as collected,
+            ):
                 out = self.forward(self.layer, x_chunk, **kwargs)
         except StopAfterKeysValues:
             return None
@@ -182,7 +206,9 @@ class StreamedCall:
         if not cache.updated:
             raise self._not_streamable()
         self.keys_dtype = cache.keys_dtype
-        return out[0] if isinstance(out, tuple) else out
+        out = out[0] if isinstance(out, tuple) else out
+        logits = router.chunk_logits(collected, self.layer, self.batch, end - start)
+        return (out,) if logits is None else (out, logits)
 
     def _not_streamable(self):
         return ValueError(
@@ -208,9 +234,9 @@ class StreamedCall:
         return [i for i in range(len(self.chunks)) if i not in self.blind] + sorted(self.blind)
 
     def run(self, x, record_rng=False):
-        """Output of the whole layer without graph, and the K/V buffers."""
+        """The whole layer's outputs without graph ((out,) or (out, router logits), as `call`), and the K/V buffers."""
         buffers = [None, None, self.seq_len]
-        out = None
+        out = logits = None
         if record_rng:
             self.chunk_rng, self.kv_rng = [None] * len(self.chunks), {}
         for index in sorted(self.blind):  # their keys first; their outputs once every key exists
@@ -224,12 +250,16 @@ class StreamedCall:
                 self.chunk_rng[index] = capture_rng_state(x.device)
             # A blind chunk keeps the K/V its first pass wrote, which the other chunks read.
             cache = RecordingCache(buffers, start, end, *self.key_ranges[index], write=index not in self.blind)
-            chunk_out = self.call(x[:, start:end], index, cache)
+            chunk_out, *chunk_logits = self.call(x[:, start:end], index, cache)
             if out is None:
                 out = chunk_out.new_empty(x.shape[:2] + chunk_out.shape[2:])
+                if chunk_logits:
+                    logits = chunk_logits[0].new_empty((self.batch * self.seq_len,) + chunk_logits[0].shape[1:])
             out[:, start:end].copy_(chunk_out)
-            del chunk_out
-        return out, buffers[0], buffers[1]
+            if logits is not None:
+                router.positions(logits, self.batch, start, end).copy_(chunk_logits[0].view(self.batch, end - start, -1))
+            del chunk_out, chunk_logits
+        return (out,) if logits is None else (out, logits), buffers[0], buffers[1]
 
 
 class _KeptInput:
@@ -256,12 +286,12 @@ class StreamedLayerFunction(torch.autograd.Function):
             ctx.save_for_backward(x)
             ctx.saved_input = None
         with streamed.views_of_one_mask():
-            out, keys, values = streamed.run(x, record_rng=True)
+            outputs, keys, values = streamed.run(x, record_rng=True)
         ctx.keys_values = (keys, values) if KEEP_KEYS_VALUES else None
-        return out
+        return outputs if len(outputs) > 1 else outputs[0]
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_router_logits=None):
         refuse_create_graph("streaming backward", STREAMING_FIELD)
         x = ctx.saved_input if ctx.saved_input is not None else _KeptInput(ctx.saved_tensors[0])
         streamed, params = ctx.streamed, ctx.params
@@ -314,17 +344,21 @@ class StreamedLayerFunction(torch.autograd.Function):
                 with restore_rng_state(rng, device), torch.enable_grad():
                     x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
                     with linear_sums:
-                        out = streamed.call(x_chunk, index, cache)
+                        outs = streamed.call(x_chunk, index, cache) or ()
                     inputs = [*([x_chunk] if needs_x else []), *wanted]
                     if not checked:
-                        tensors = ([out] if outputs else []) + [cache.keys, cache.values]
-                        for tensor in tensors:
+                        for tensor in [*outs, cache.keys, cache.values]:
                             check_graph_inputs(tensor, [x_chunk, *(cache.leaves or []), *params], "streaming backward")
                         checked.append(True)
                     if outputs:
                         leaves = cache.leaves
-                        grads = torch.autograd.grad(out, [*leaves, *inputs], grad_out[:, start:end], allow_unused=True)
-                        del out
+                        # The chunk's output, and its router logits (router.py) with their rows of that gradient.
+                        grad_outs = [grad_out[:, start:end]]
+                        if len(outs) > 1:
+                            rows = router.positions(grad_router_logits.contiguous(), streamed.batch, start, end)
+                            grad_outs.append(rows.reshape(outs[1].shape))
+                        grads = torch.autograd.grad(outs, [*leaves, *inputs], grad_outs, allow_unused=True)
+                        del outs, grad_outs
                         for total, part in zip((grad_keys, grad_values), grads[: len(leaves)]):
                             if part is not None:
                                 total.add(part, kv_start, kv_end)
@@ -398,7 +432,7 @@ def _forward_with_checkpoints(streamed, x):
     from torch.utils.checkpoint import checkpoint
 
     def chunk_output(x_chunk, keys, values, index):
-        return streamed.call(x_chunk, index, FixedCache(keys, values))
+        return streamed.call(x_chunk, index, FixedCache(keys, values))  # (out,) or (out, router logits)
 
     def layer_body(x):
         parts = []
@@ -419,7 +453,10 @@ def _forward_with_checkpoints(streamed, x):
                     use_reentrant=False,
                 )
             )
-        return torch.cat(outs, dim=1)
+        out = torch.cat([chunk[0] for chunk in outs], dim=1)
+        if len(outs[0]) == 1:
+            return out
+        return out, router.joined([chunk[1] for chunk in outs], streamed.batch)
 
     return checkpoint(layer_body, x, use_reentrant=False)
 
@@ -461,11 +498,13 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     if params is None:
         check_no_zero3_moe(layer)
         if storage is None:
-            return _forward_with_checkpoints(streamed, hidden_states)
+            return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
         on_accelerator = hidden_states.device.type != "cpu"
         with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
-            return _forward_with_checkpoints(streamed, hidden_states)
+            return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
+    streamed.query_projection = discardable_query_projection(layer.self_attn)
     if not (hidden_states.requires_grad or params):
         with torch.no_grad(), streamed.views_of_one_mask():
-            return streamed.run(hidden_states)[0]
-    return StreamedLayerFunction.apply(hidden_states, streamed, storage, *params)
+            outputs = streamed.run(hidden_states)[0]
+        return router.hand_over(outputs if len(outputs) > 1 else outputs[0])
+    return router.hand_over(StreamedLayerFunction.apply(hidden_states, streamed, storage, *params))

@@ -137,11 +137,12 @@ def window_start(window, start: int) -> int:
 
 
 def plan_key_ranges(mask, chunks, window, seq_len):
-    """(key ranges [(kv_start, kv_end)] per chunk, set of blind chunks). Raises if the mask lets a query see a key
-    outside its causal prefix (prefix-LM or custom masks: slicing would drop those keys). A chunk holding a query
-    row that sees no key at all (a left-padding position) reads the whole sequence with its full mask rows, as the
-    unsplit layer does (eager softmax over an all-masked row is uniform over every key, and with left padding the
-    last padding position predicts the first real label)."""
+    """(key ranges [(kv_start, kv_end)] per chunk, set of blind chunks). A blind chunk reads the whole sequence with
+    its full mask rows, as the unsplit layer does: it holds a query row that sees no key at all (a left-padding
+    position: eager softmax over an all-masked row is uniform over every key, and with left padding the last padding
+    position predicts the first real label), or one that sees a key outside its causal prefix (a bidirectional
+    block: Gemma-3's image tokens, a prefix-LM mask). layer.py runs such chunks' outputs once every key exists, and
+    backpropagates them first."""
     key = (window, tuple(chunks), seq_len)
     if mask is not None:
         cached = _RANGES_CACHE.get(id(mask))
@@ -154,13 +155,8 @@ def plan_key_ranges(mask, chunks, window, seq_len):
             ranges.append((kv_start, end))
             continue
         rows = mask[:, :, start:end]
-        if mask_allows(rows[..., end:]) or mask_allows(rows[..., :kv_start]):
-            raise ValueError(
-                f"{STREAMING_FIELD}: the attention mask lets query tokens {start}..{end - 1} see keys outside "
-                f"their causal prefix [{kv_start}, {end}); streaming backward supports causal (and sliding-window) "
-                "masks only. Unset the field for this model."
-            )
-        if has_blind_row(rows[..., kv_start:end]):
+        outside = mask_allows(rows[..., end:]) or mask_allows(rows[..., :kv_start])
+        if outside or has_blind_row(rows[..., kv_start:end]):
             kv_start, end = 0, seq_len
             blind.add(index)
         ranges.append((kv_start, end))

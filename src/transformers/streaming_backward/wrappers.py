@@ -10,7 +10,8 @@ the wrapper expects.
 
 import torch
 
-from ..mst_core.wrappers import function_parameters, is_plain_parameter
+from ..mst_core.wrappers import function_parameters, is_output_capturing_hook, is_plain_parameter
+from .router import ROUTER_LOGITS
 
 
 def layer_parameters(layer):
@@ -25,7 +26,8 @@ def layer_parameters(layer):
     modules = [child for name, child in layer.named_children() if name != "self_attn"] + list(attn.children())
     params = []
     for module in modules:
-        module_params = function_parameters(module)
+        # The router's logits recorder runs per chunk with the collector the streamed layer sets (router.py).
+        module_params = function_parameters(module, harmless_hook=_records_router_logits)
         if module_params is None:
             return None
         params += module_params
@@ -39,6 +41,10 @@ def layer_parameters(layer):
                     return None  # FSDP1's FlatParameter, a DTensor, a ZeRO-3 parameter
                 params.append(param)
     return params
+
+
+def _records_router_logits(hook) -> bool:
+    return is_output_capturing_hook(hook, ROUTER_LOGITS)
 
 
 def _is_idle_zero3_hook(attn, hook) -> bool:

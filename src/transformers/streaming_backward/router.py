@@ -1,0 +1,72 @@
+"""MoE router logits (`output_router_logits=True`, the auxiliary load-balancing loss) through a streamed layer.
+
+In 5.24 a forward hook on the router module appends its logits to the running forward's collector
+(utils/output_capturing.py). Run per query chunk, and without graph in the streamed forward, that would record one
+entry per chunk and nothing the auxiliary loss could backpropagate through. So each chunk call of the layer sets a
+collector of its own (`chunk_collector`), and the streamed layer returns the whole sequence's logits, token-major
+[batch * S, experts] as the unsplit router records them, as one more output of its Function (or of its checkpointed
+fallback). The model's collector gets that once, with graph (`hand_over`); in the backward each chunk's recomputed
+logits take their rows of its gradient, in the same `autograd.grad` as the chunk's output.
+"""
+
+import contextlib
+
+import torch
+
+from ..mst_core.fields import STREAMING_FIELD
+from ..mst_core.wrappers import ROUTER_LOGITS
+from ..utils import output_capturing
+
+
+def recording() -> bool:
+    """Whether the running model forward records router logits."""
+    collector = output_capturing._active_collector.get()
+    return collector is not None and ROUTER_LOGITS in collector
+
+
+@contextlib.contextmanager
+def chunk_collector(records: bool):
+    """The collector the layer's hooks see during one chunk call: router logits only if the model records them, else
+    none (every capturing hook inside the layer is then idle)."""
+    collected = {ROUTER_LOGITS: []} if records else None
+    token = output_capturing._active_collector.set(collected)
+    try:
+        yield collected
+    finally:
+        output_capturing._active_collector.reset(token)
+
+
+def chunk_logits(collected, layer, batch: int, rows: int):
+    """The one router output a chunk call recorded ([batch * rows, experts]), or None (no router in this layer, or the
+    layer stopped at the cache)."""
+    if not collected or not collected[ROUTER_LOGITS]:
+        return None
+    logits = collected[ROUTER_LOGITS]
+    if len(logits) != 1 or logits[0].dim() != 2 or logits[0].shape[0] != batch * rows:
+        raise ValueError(
+            f"{STREAMING_FIELD}: {type(layer).__name__} recorded {len(logits)} router outputs of shape "
+            f"{tuple(logits[0].shape)} for a chunk of {batch} x {rows} tokens; the streamed layer handles one "
+            "[tokens, experts] router output per layer. Train without output_router_logits, or unset the field."
+        )
+    return logits[0]
+
+
+def positions(token_major: torch.Tensor, batch: int, start: int, end: int) -> torch.Tensor:
+    """Positions [start, end) of a token-major [batch * S, experts] tensor, as [batch, end - start, experts] (a view
+    of a contiguous one)."""
+    return token_major.view(batch, -1, token_major.shape[-1])[:, start:end]
+
+
+def joined(per_chunk: list, batch: int) -> torch.Tensor:
+    """The chunks' [batch * c, experts] logits as one token-major [batch * S, experts] tensor."""
+    experts = per_chunk[0].shape[-1]
+    return torch.cat([t.reshape(batch, -1, experts) for t in per_chunk], dim=1).reshape(-1, experts)
+
+
+def hand_over(result):
+    """The streamed layer's result: its output, and the router logits (if any) appended to the model's collector."""
+    if not isinstance(result, tuple):
+        return result
+    out, logits = result
+    output_capturing._active_collector.get()[ROUTER_LOGITS].append(logits)
+    return out
