@@ -148,6 +148,7 @@ class StreamedCall:
         # chunk's cache update; SDPA wants a float mask in the queries' dtype), freed on leaving.
         self.chunk_size, self.keys_dtype, self.offset_masks = chunk, None, None
         self.use_offset_masks = self.mask is None and not self.flash and self.device.type == "cpu"
+        self.taking_views = False  # inside `views_of_one_mask`
         # The query projection a pass stopping at the cache skips (cache.queries_not_computed); set by
         # decoder_layer_forward on the Function's path only (under a wrapper's hooks every module runs as upstream's).
         self.query_projection = None
@@ -155,11 +156,11 @@ class StreamedCall:
 
     @contextlib.contextmanager
     def views_of_one_mask(self):
-        self.offset_masks = False if self.use_offset_masks else None
+        self.taking_views = self.use_offset_masks
         try:
             yield
         finally:
-            self.offset_masks = None
+            self.taking_views, self.offset_masks = False, None
 
     def call(self, x_chunk, index, cache):
         """The layer's own forward on chunk `index` (rows of `x_chunk`), its attention meeting `cache`: (its output,)
@@ -175,10 +176,10 @@ class StreamedCall:
             cache.silent_rows = self.silent_rows[index]
         elif self.mask is None and self.bottom_right:
             kwargs["attention_mask"] = None
-        elif self.offset_masks is not None and self.keys_dtype is not None and not (
+        elif self.taking_views and self.keys_dtype is not None and not (
             self.causal_bias and splits_on_cpu(self.keys_dtype)  # the bias splits the attention itself (masks.py)
         ):
-            if self.offset_masks is False:
+            if self.offset_masks is None:
                 self.offset_masks = OffsetChunkMasks(
                     self.chunk_size, self.seq_len, self.window, self.keys_dtype, self.device
                 )
