@@ -2,7 +2,6 @@
 
 import torch
 
-from ..mst_core.families import model_types
 from ..mst_core.fields import STREAMING_FIELD
 from .masks import masks_offset_chunk_itself
 from .router import ROUTER_LOGITS
@@ -10,7 +9,6 @@ from .router import ROUTER_LOGITS
 
 FLASH_ATTENTION = "flash_attention_2"
 SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH_ATTENTION)
-MOE_MODEL_TYPES = model_types(mini_sequence="moe")
 
 
 def check_attention_call(layer, mask, batch: int, seq_len: int) -> bool:
@@ -75,19 +73,6 @@ def check_cache_is_empty(layer, cache) -> None:
             f"{STREAMING_FIELD}: the cache passed (`cache` / `past_key_values`) holds {cached} cached tokens, "
             "which a streamed layer cannot attend to (streamed training forwards neither read nor fill a cache). "
             "Train without a cache, or unset the field."
-        )
-
-
-def check_no_zero3_moe(layer) -> None:
-    """MoE decoder layers under DeepSpeed ZeRO-3 (parameters with `ds_id`) take the nested-checkpoint fallback, where
-    DeepSpeed 0.19's gradient reduction asserts (`__reduce_and_partition_ipg_grads`: a parameter twice in one bucket;
-    tiny Mixtral on 2 gloo processes, dense families pass): refused before it would fail mid-backward."""
-    config = layer.self_attn.config
-    if config.model_type in MOE_MODEL_TYPES and any(hasattr(p, "ds_id") for p in layer.parameters()):
-        raise ValueError(
-            f"{STREAMING_FIELD} is not supported on MoE models ({type(layer).__name__}) under DeepSpeed ZeRO-3 "
-            "yet: DeepSpeed's gradient reduction fails on the streamed layer's recompute. Use ZeRO-1/2 or FSDP, or "
-            "unset the field (mini_sequence_chunk works under ZeRO-3)."
         )
 
 

@@ -58,7 +58,6 @@ from .checks import (
     check_attention_call,
     check_cache_is_empty,
     check_captured_outputs,
-    check_no_zero3_moe,
 )
 from . import router
 from .config import streaming_chunk_size
@@ -76,6 +75,7 @@ from .masks import (
 from .offload import SavedInput, input_storage
 from .rows import RowBlocks, row_blocks
 from .wrappers import layer_parameters
+from .zero3_leaves import leaf_gradients_queued_once
 
 
 # Keep the forward's K/V of every layer until its backward (2 passes per token through every projection) instead
@@ -497,12 +497,13 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     params = layer_parameters(layer)
     storage = input_storage(layer)
     if params is None:
-        check_no_zero3_moe(layer)
-        if storage is None:
-            return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
-        on_accelerator = hidden_states.device.type != "cpu"
-        with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
-            return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
+        # ZeRO-3 leaf modules (MoE blocks) run once per chunk here; DeepSpeed reduces their weights once per call.
+        with leaf_gradients_queued_once(layer):
+            if storage is None:
+                return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
+            on_accelerator = hidden_states.device.type != "cpu"
+            with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
+                return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
     streamed.query_projection = discardable_query_projection(layer.self_attn)
     if not (hidden_states.requires_grad or params):
         with torch.no_grad(), streamed.views_of_one_mask():
