@@ -68,10 +68,12 @@ ROUTER_LOGITS = "router_logits"  # the output-capturing key of MoE routers' logi
 def is_output_capturing_hook(hook, key: str) -> bool:
     """Whether `hook` is upstream's output-capturing forward hook for `key` (utils/output_capturing.py's
     `install_output_capuring_hook(module, key, ...)`). It only appends the module's output to the running forward's
-    collector, which a chunked caller that handles `key` sets itself (mini_sequence/moe.py, streaming_backward/router.py);
-    it swaps no weight."""
+    collector, which a chunked caller that handles `key` sets itself (mini_sequence/moe.py,
+    streaming_backward/router.py); it swaps no weight."""
     code = getattr(hook, "__code__", None)
-    if code is None or code.co_name != "output_capturing_hook" or not hook.__module__.endswith("utils.output_capturing"):
+    if code is None or code.co_name != "output_capturing_hook":
+        return False
+    if not (getattr(hook, "__module__", None) or "").endswith("utils.output_capturing"):
         return False
     cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
     return cells.get("key") == key

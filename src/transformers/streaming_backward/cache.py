@@ -140,8 +140,8 @@ def discardable_query_projection(attn):
     """`attn.q_proj` if a pass that stops at the cache may skip it (its queries are never read), else None.
 
     Only where skipping changes nothing else: a module with `out_features` (nn.Linear, a PEFT LoRA layer, a 4-bit
-    Linear), no hooks of its own and no dropout with p > 0 inside (a K/V pass replays the forward's RNG state: a skipped
-    dropout draw would shift those of k_proj/v_proj, e.g. LoRA dropout). A fused projection (Phi-3's `qkv_proj`)
+    Linear), no hooks of its own and no dropout with p > 0 inside (a K/V pass replays the forward's RNG state: a
+    skipped dropout draw would shift those of k_proj/v_proj, e.g. LoRA dropout). A fused projection (Phi-3's `qkv_proj`)
     computes the keys too: not skipped."""
     projection = getattr(attn, "q_proj", None)
     if not isinstance(projection, torch.nn.Module) or not isinstance(getattr(projection, "out_features", None), int):

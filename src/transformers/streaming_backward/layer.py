@@ -21,8 +21,8 @@ nothing in it draws random numbers: cache.queries_not_computed), and chunk i rea
 
 A chunk holding a query row that sees no key (a left-padding position) or a key after the chunk's end (a
 bidirectional block: Gemma-3's image tokens, a prefix-LM mask) reads the whole sequence with its full mask rows, as
-the unsplit layer does (a blind chunk, masks.plan_key_ranges): in the forward it first only records its K/V (the layer stops at the cache,
-`StopAfterKeysValues`) and runs once every key exists; in the backward its output is backpropagated first
+the unsplit layer does (a blind chunk, masks.plan_key_ranges): in the forward it first only records its K/V (the
+layer stops at the cache, `StopAfterKeysValues`) and runs once every key exists; in the backward its output is backpropagated first
 (every key a leaf), its own K/V at its turn (the layer stopped at the cache again). Only such chunks cost one
 more pass through the projections before the cache.
 
@@ -258,7 +258,8 @@ class StreamedCall:
                     logits = chunk_logits[0].new_empty((self.batch * self.seq_len,) + chunk_logits[0].shape[1:])
             out[:, start:end].copy_(chunk_out)
             if logits is not None:
-                router.positions(logits, self.batch, start, end).copy_(chunk_logits[0].view(self.batch, end - start, -1))
+                chunk_rows = chunk_logits[0].view(self.batch, end - start, -1)
+                router.positions(logits, self.batch, start, end).copy_(chunk_rows)
             del chunk_out, chunk_logits
         return (out,) if logits is None else (out, logits), buffers[0], buffers[1]
 
@@ -356,8 +357,8 @@ class StreamedLayerFunction(torch.autograd.Function):
                         # The chunk's output, and its router logits (router.py) with their rows of that gradient.
                         grad_outs = [grad_out[:, start:end]]
                         if len(outs) > 1:
-                            rows = router.positions(grad_router_logits.contiguous(), streamed.batch, start, end)
-                            grad_outs.append(rows.reshape(outs[1].shape))
+                            logit_rows = router.positions(grad_router_logits.contiguous(), streamed.batch, start, end)
+                            grad_outs.append(logit_rows.reshape(outs[1].shape))
                         grads = torch.autograd.grad(outs, [*leaves, *inputs], grad_outs, allow_unused=True)
                         del outs, grad_outs
                         for total, part in zip((grad_keys, grad_values), grads[: len(leaves)]):
