@@ -109,6 +109,30 @@ def test_streaming_under_compile_is_exact(family):
     assert_same_step(compiled, ref)
 
 
+@pytest.mark.parametrize("fields", [dict(mini_sequence_chunk=48), dict(streaming_backward_chunk=48)],
+                         ids=["mini_sequence", "streaming"])
+def test_moe_router_aux_loss_under_compile_is_exact(fields):
+    """Mixtral with `output_router_logits=True` (the aux loss in the loss) compiled: the chunks' own router-logit
+    collectors (mst_core/wrappers.own_router_collector) keep the model's, so every layer's logits reach the aux loss."""
+
+    def loss_and_aux(model, ids, mask, labels):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        return out.loss, out.aux_loss
+
+    def run(step, **more):
+        model = make_model("mixtral", seed=1, attn_implementation="sdpa", use_cache=False, output_router_logits=True,
+                           **more).train()
+        torch._dynamo.reset()
+        loss, aux = step(model, *batch())
+        loss.backward()
+        return (loss.detach(), aux.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+    (ref_loss, ref_aux), ref_grads = run(loss_and_aux)
+    (loss, aux), grads = run(torch.compile(loss_and_aux), **fields)
+    assert ref_aux > 0 and rel_err(aux, ref_aux) < 1e-5, (aux, ref_aux)
+    assert_same_step((loss, grads), (ref_loss, ref_grads))
+
+
 def test_mini_sequence_compiled_bf16_within_upstream_bf16_error():
     """bf16: under compile the per-chunk parameter gradients are summed by autograd in bf16 (eager sums them in
     fp32); against an fp64 reference the compiled step's errors stay within upstream's own eager bf16 errors

@@ -570,3 +570,24 @@ def test_flash_attention_with_top_left_causal_mask_refused(flash_reference, monk
     ids = torch.ones(1, 12, dtype=torch.long)
     with pytest.raises(ValueError, match=r"flash-attn aligns its causal mask top-left.*>= 2\.1"):
         model(input_ids=ids, labels=ids)
+
+
+def test_own_router_collector_puts_the_models_back_while_compiling(monkeypatch):
+    """While dynamo traces, upstream's collector variable is a plain global whose `reset` drops the value: the
+    chunk's own collector (mst_core/wrappers.own_router_collector, used by the streamed layer and the mini-sequence
+    MoE block) must leave the model's collector in place, compiling or not."""
+    from transformers.mst_core.wrappers import own_router_collector
+    from transformers.utils import output_capturing
+
+    variable = output_capturing._active_collector
+    for compiling in (False, True):
+        monkeypatch.setattr(output_capturing, "is_torchdynamo_compiling", lambda: compiling)
+        model_collector = {"router_logits": [], "hidden_states": []}
+        token = variable.set(model_collector)
+        try:
+            with own_router_collector() as collected:
+                assert variable.get() is collected and collected == {"router_logits": []}
+            assert variable.get() is model_collector, compiling
+        finally:
+            variable.reset(token)
+        assert variable.get() is None

@@ -26,7 +26,13 @@ import torch
 
 from ..utils import output_capturing
 from .mlp import _as_outputs, _forward_chunks, chunked_function, module_forward
-from ..mst_core.wrappers import ROUTER_LOGITS, checkpointed_chunks, function_parameters, is_output_capturing_hook
+from ..mst_core.wrappers import (
+    ROUTER_LOGITS,
+    checkpointed_chunks,
+    function_parameters,
+    is_output_capturing_hook,
+    own_router_collector,
+)
 
 
 def _records_router_logits(hook) -> bool:
@@ -56,12 +62,9 @@ def _chunk_forward(recording: bool, block, chunk: torch.Tensor):
     chunk = chunk.contiguous()  # the blocks flatten their input with `.view(-1, hidden)`, which a slice refuses
     if not recording:
         return module_forward(block, chunk)
-    token = output_capturing._active_collector.set({ROUTER_LOGITS: []})
-    try:
+    with own_router_collector() as collected:
         outputs = _as_outputs(module_forward(block, chunk))
-        logits = output_capturing._active_collector.get()[ROUTER_LOGITS]
-    finally:
-        output_capturing._active_collector.reset(token)
+    logits = collected[ROUTER_LOGITS]
     if len(logits) != 1:
         raise RuntimeError(
             f"mini-sequence {type(block).__name__}: expected one router output per chunk, the router's hooks recorded "

@@ -25,6 +25,7 @@ graph once and raises if it reaches a tensor that requires grad and is not an in
 gradient can never disappear silently.
 """
 
+import contextlib
 import functools
 import sys
 
@@ -77,6 +78,27 @@ def is_output_capturing_hook(hook, key: str) -> bool:
         return False
     cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
     return cells.get("key") == key
+
+
+@contextlib.contextmanager
+def own_router_collector():
+    """Upstream's output collector (utils/output_capturing.py) set to one of ours, recording router logits only,
+    while a chunked caller runs one chunk of an MoE block or layer (mini_sequence/moe.py,
+    streaming_backward/router.py); yields its dict. The model's collector is put back by value where it was set while
+    compiling: upstream's `CompileableContextVar` is then a plain global, and its `reset` would drop it."""
+    from ..utils import output_capturing
+
+    variable = output_capturing._active_collector
+    model_collector = variable.get()
+    collected = {ROUTER_LOGITS: []}
+    token = variable.set(collected)
+    try:
+        yield collected
+    finally:
+        if token is None:
+            variable.set(model_collector)
+        else:
+            variable.reset(token)
 
 
 def function_parameters(module: torch.nn.Module, harmless_hook=None) -> list | None:

@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from ..mst_core.fields import STREAMING_FIELD
-from ..mst_core.wrappers import ROUTER_LOGITS
+from ..mst_core.wrappers import ROUTER_LOGITS, own_router_collector
 from ..utils import output_capturing
 
 
@@ -26,14 +26,14 @@ def recording() -> bool:
 
 @contextlib.contextmanager
 def chunk_collector(records: bool):
-    """The collector the layer's hooks see during one chunk call: router logits only if the model records them, else
-    none (every capturing hook inside the layer is then idle)."""
-    collected = {ROUTER_LOGITS: []} if records else None
-    token = output_capturing._active_collector.set(collected)
-    try:
+    """While the model records router logits, the collector the layer's hooks append to during one chunk call
+    (mst_core/wrappers.own_router_collector); else nothing changes (no other key is recorded inside a streamed layer:
+    checks.check_captured_outputs)."""
+    if not records:
+        yield None
+        return
+    with own_router_collector() as collected:
         yield collected
-    finally:
-        output_capturing._active_collector.reset(token)
 
 
 def chunk_logits(collected, layer, batch: int, rows: int):
