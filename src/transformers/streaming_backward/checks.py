@@ -76,12 +76,10 @@ def check_cache_is_empty(layer, cache) -> None:
         )
 
 
-def check_captured_outputs(layer) -> None:
+def check_captured_outputs(layer, collector) -> None:
     """Outputs that transformers captures inside the layer (attentions: hooks on submodules) would be captured once per
-    chunk, without graph: refused. Hidden states are captured around the layer, MoE router logits by router.py: fine."""
-    from ..utils.output_capturing import _active_collector
-
-    collector = _active_collector.get()
+    chunk, without graph: refused. Hidden states are captured around the layer, MoE router logits by router.py: fine.
+    `collector`: the running forward's (router.model_collector)."""
     handled = ("hidden_states", "_hidden_states_layers", ROUTER_LOGITS)
     inside = sorted(key for key in (collector or {}) if key not in handled)
     if inside:

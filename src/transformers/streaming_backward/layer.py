@@ -111,7 +111,7 @@ def _slice_rows(value, start, end, seq_len):
 class StreamedCall:
     """One call of a decoder layer, split into query chunks."""
 
-    def __init__(self, forward, layer, arguments, cache_name):
+    def __init__(self, forward, layer, arguments, cache_name, records_router_logits=False):
         self.forward, self.layer, self.cache_name = forward, layer, cache_name
         attn = layer.self_attn
         config = attn.config
@@ -152,7 +152,7 @@ class StreamedCall:
         # The query projection a pass stopping at the cache skips (cache.queries_not_computed); set by
         # decoder_layer_forward on the Function's path only (under a wrapper's hooks every module runs as upstream's).
         self.query_projection = None
-        self.records_router_logits = router.recording()  # (router.py) known in the forward, kept for the backward
+        self.records_router_logits = records_router_logits  # (router.py) known in the forward, kept for the backward
 
     @contextlib.contextmanager
     def views_of_one_mask(self):
@@ -491,8 +491,9 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     given = [arguments.pop(name, None) for name in ("cache", "past_key_values")]
     given = next((c for c in given if c is not None), None)
     check_cache_is_empty(layer, given)
-    check_captured_outputs(layer)
-    streamed = StreamedCall(forward, layer, arguments, cache_name)
+    collector = router.model_collector()
+    check_captured_outputs(layer, collector)
+    streamed = StreamedCall(forward, layer, arguments, cache_name, records_router_logits=router.recording(collector))
     # The attention module is called (its hooks run); hooks other than output capturing may swap its weights
     # (FSDP2 `fully_shard` on it, accelerate): then ordinary autograd takes every gradient (the fallback).
     params = layer_parameters(layer)

@@ -18,9 +18,14 @@ from ..mst_core.wrappers import ROUTER_LOGITS, own_router_collector
 from ..utils import output_capturing
 
 
-def recording() -> bool:
-    """Whether the running model forward records router logits."""
-    collector = output_capturing._active_collector.get()
+def model_collector():
+    """The running model forward's output collector, or None (read once per streamed layer call: under compile each
+    read of the context variable is a graph break)."""
+    return output_capturing._active_collector.get()
+
+
+def recording(collector) -> bool:
+    """Whether `collector` (model_collector) records router logits."""
     return collector is not None and ROUTER_LOGITS in collector
 
 

@@ -28,14 +28,18 @@ _counting = contextvars.ContextVar("mst_streamed_zero3_leaves", default=None)
 
 
 def zero3_leaf_modules(layer):
-    """The modules inside `layer` (not itself) that DeepSpeed ZeRO-3 treats as leaf modules (its `_z3_leaf` flag)."""
-    return [
-        module
-        for module in layer.modules()
-        if module is not layer
-        and getattr(module, "_z3_leaf", False)
-        and any(hasattr(param, "ds_id") for param in module.parameters())
-    ]
+    """The modules inside `layer` (not itself) that DeepSpeed ZeRO-3 treats as leaf modules (its `_z3_leaf` flag).
+    Walked through `_modules` dicts, not `modules()`: dynamo breaks the graph at a generator's `next`, and this runs
+    on every streamed layer call, compiled ones included."""
+    leaves, pending = [], list(layer._modules.values())
+    while pending:
+        module = pending.pop()
+        if module is None:
+            continue
+        if getattr(module, "_z3_leaf", False) and any(hasattr(p, "ds_id") for p in module.parameters()):
+            leaves.append(module)
+        pending.extend(module._modules.values())
+    return leaves
 
 
 @contextlib.contextmanager
