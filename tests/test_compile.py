@@ -113,7 +113,7 @@ def test_streaming_under_compile_is_exact(family):
                          ids=["mini_sequence", "streaming"])
 def test_moe_router_aux_loss_under_compile_is_exact(fields):
     """Mixtral with `output_router_logits=True` (the aux loss in the loss) compiled: the chunks' own router-logit
-    collectors (mst_core/wrappers.own_router_collector) keep the model's, so every layer's logits reach the aux loss."""
+    collectors (mst_core/router_logits.own_router_collector) keep the model's, so every layer's logits reach the aux loss."""
 
     def loss_and_aux(model, ids, mask, labels):
         out = model(input_ids=ids, attention_mask=mask, labels=labels)

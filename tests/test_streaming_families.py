@@ -574,9 +574,9 @@ def test_flash_attention_with_top_left_causal_mask_refused(flash_reference, monk
 
 def test_own_router_collector_puts_the_models_back_while_compiling(monkeypatch):
     """While dynamo traces, upstream's collector variable is a plain global whose `reset` drops the value: the
-    chunk's own collector (mst_core/wrappers.own_router_collector, used by the streamed layer and the mini-sequence
+    chunk's own collector (mst_core/router_logits.own_router_collector, used by the streamed layer and the mini-sequence
     MoE block) must leave the model's collector in place, compiling or not."""
-    from transformers.mst_core.wrappers import own_router_collector
+    from transformers.mst_core.router_logits import own_router_collector
     from transformers.utils import output_capturing
 
     variable = output_capturing._active_collector

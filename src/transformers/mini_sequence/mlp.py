@@ -15,6 +15,7 @@ import torch
 from ..mst_core.grads import LinearWeightGradsSummed, may_have_fp32_out_gemm, summed_as_computed
 from ..mst_core.model_checks import foreign_forward
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
+from ..mst_core.router_logits import positions
 from ..mst_core.wrappers import (
     check_graph_inputs,
     checkpointed_chunks,
@@ -40,13 +41,6 @@ def _chunk_bounds(seq_len: int, chunk_size: int):
     return [(start, min(start + chunk_size, seq_len)) for start in range(0, seq_len, chunk_size)]
 
 
-def _positions(output: torch.Tensor, batch_shape: torch.Size) -> torch.Tensor:
-    """A token-major output [batch * positions, *] (an MoE block's router scores or logits, flattened in (batch,
-    position) order) viewed as [*batch, positions, *], positions along the input's sequence axis as in the first
-    output (the hidden states)."""
-    return output.view(*batch_shape, -1, *output.shape[1:])
-
-
 def _as_outputs(result) -> tuple:
     return result if isinstance(result, tuple) else (result,)
 
@@ -54,7 +48,7 @@ def _as_outputs(result) -> tuple:
 def _forward_chunks(forward_fn, mlp, x, chunk_size):
     """Run ``forward_fn`` chunk by chunk, writing into preallocated outputs (a ``cat`` would briefly hold the chunks
     and the result together). ``forward_fn`` returns one tensor [..., C, *] or a tuple whose first tensor is that and
-    whose others are token-major [batch * C, *] (`_positions`); so does this, for the whole sequence."""
+    whose others are token-major [batch * C, *] (mst_core/router_logits.py); so does this, for the whole sequence."""
     seq_len, batch_shape = x.shape[-2], x.shape[:-2]
     outs = None
     for start, end in _chunk_bounds(seq_len, chunk_size):
@@ -67,8 +61,8 @@ def _forward_chunks(forward_fn, mlp, x, chunk_size):
             if i == 0:
                 whole[..., start:end, :].copy_(part)
             else:
-                _positions(whole, batch_shape).narrow(len(batch_shape), start, end - start).copy_(
-                    _positions(part, batch_shape))
+                positions(whole, batch_shape).narrow(len(batch_shape), start, end - start).copy_(
+                    positions(part, batch_shape))
         del chunk_outs  # only one chunk's intermediates alive at a time
     return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -77,7 +71,7 @@ def _chunk_grad(grad: torch.Tensor, index: int, batch_shape: torch.Size, start: 
     """The part of output ``index``'s gradient that belongs to positions start:end, shaped as the chunk's output."""
     if index == 0:
         return grad[..., start:end, :]
-    part = _positions(grad.contiguous(), batch_shape).narrow(len(batch_shape), start, end - start)  # [*batch, c, *]
+    part = positions(grad.contiguous(), batch_shape).narrow(len(batch_shape), start, end - start)  # [*batch, c, *]
     return part.reshape(-1, *grad.shape[1:])  # [*batch, c, *] -> [batch * c, *], token-major as the chunk's output
 
 

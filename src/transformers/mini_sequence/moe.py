@@ -26,13 +26,8 @@ import torch
 
 from ..utils import output_capturing
 from .mlp import _as_outputs, _forward_chunks, chunked_function, module_forward
-from ..mst_core.wrappers import (
-    ROUTER_LOGITS,
-    checkpointed_chunks,
-    function_parameters,
-    is_output_capturing_hook,
-    own_router_collector,
-)
+from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook, own_router_collector, token_major
+from ..mst_core.wrappers import checkpointed_chunks, function_parameters
 
 
 def _records_router_logits(hook) -> bool:
@@ -41,19 +36,11 @@ def _records_router_logits(hook) -> bool:
     return is_output_capturing_hook(hook, ROUTER_LOGITS)
 
 
-def _token_major(per_chunk: list, batch_shape: torch.Size) -> torch.Tensor:
-    """[tokens of the whole sequence, ...] in (batch, position) order, from one [batch * chunk, ...] per chunk (the
-    blocks flatten their input to tokens in (batch, position) order, so a chunk's rows are its rows of each batch)."""
-    tail = per_chunk[0].shape[1:]
-    # each [batch * c, *tail] -> [*batch, c, *tail]; joined along positions; -> [batch * S, *tail]
-    return torch.cat([t.reshape(*batch_shape, -1, *tail) for t in per_chunk], dim=len(batch_shape)).reshape(-1, *tail)
-
-
 def _merged_outputs(chunks: list, batch_shape: torch.Size) -> tuple:
     """The chunks' outputs put together: the hidden states [..., S, d] along the sequence, any further per-token
     outputs (GPT-OSS's router scores [tokens, top_k], the router logits) whole, in (batch, position) order."""
     first, *rest = zip(*(_as_outputs(chunk) for chunk in chunks))
-    return (torch.cat(first, dim=-2), *(_token_major(list(parts), batch_shape) for parts in rest))
+    return (torch.cat(first, dim=-2), *(token_major(list(parts), batch_shape) for parts in rest))
 
 
 def _chunk_forward(recording: bool, block, chunk: torch.Tensor):

@@ -25,7 +25,6 @@ graph once and raises if it reaches a tensor that requires grad and is not an in
 gradient can never disappear silently.
 """
 
-import contextlib
 import functools
 import sys
 
@@ -63,50 +62,13 @@ def is_plain_parameter(param: torch.Tensor) -> bool:
     return type(param) is FakeTensor and getattr(param, "_is_param", False)
 
 
-ROUTER_LOGITS = "router_logits"  # the output-capturing key of MoE routers' logits (output_router_logits=True)
-
-
-def is_output_capturing_hook(hook, key: str) -> bool:
-    """Whether `hook` is upstream's output-capturing forward hook for `key` (utils/output_capturing.py's
-    `install_output_capuring_hook(module, key, ...)`). It only appends the module's output to the running forward's
-    collector, which a chunked caller that handles `key` sets itself (mini_sequence/moe.py,
-    streaming_backward/router.py); it swaps no weight."""
-    code = getattr(hook, "__code__", None)
-    if code is None or code.co_name != "output_capturing_hook":
-        return False
-    if not (getattr(hook, "__module__", None) or "").endswith("utils.output_capturing"):
-        return False
-    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
-    return cells.get("key") == key
-
-
-@contextlib.contextmanager
-def own_router_collector():
-    """Upstream's output collector (utils/output_capturing.py) set to one of ours, recording router logits only,
-    while a chunked caller runs one chunk of an MoE block or layer (mini_sequence/moe.py,
-    streaming_backward/router.py); yields its dict. The model's collector is put back by value where it was set while
-    compiling: upstream's `CompileableContextVar` is then a plain global, and its `reset` would drop it."""
-    from ..utils import output_capturing
-
-    variable = output_capturing._active_collector
-    model_collector = variable.get()
-    collected = {ROUTER_LOGITS: []}
-    token = variable.set(collected)
-    try:
-        yield collected
-    finally:
-        if token is None:
-            variable.set(model_collector)
-        else:
-            variable.reset(token)
-
-
 def function_parameters(module: torch.nn.Module, harmless_hook=None) -> list | None:
     """The parameters of `module` that require grad, if a Function may take them as inputs; else None.
 
     None means some wrapper may change, at call time, which tensors the forward uses, or that torch.compile is
     tracing: the caller must let autograd see the real forward (see `checkpointed_chunks`). A forward hook for which
-    `harmless_hook(hook)` is true does not count (moe.py: upstream's router-logits recorder, which it handles).
+    `harmless_hook(hook)` is true does not count (router_logits.is_output_capturing_hook: upstream's router-logits
+    recorder, which the chunked callers handle).
     """
     if _module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks:
         return None

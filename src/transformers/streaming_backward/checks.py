@@ -3,8 +3,8 @@
 import torch
 
 from ..mst_core.fields import STREAMING_FIELD
+from ..mst_core.router_logits import ROUTER_LOGITS
 from .masks import masks_offset_chunk_itself
-from .router import ROUTER_LOGITS
 
 
 FLASH_ATTENTION = "flash_attention_2"

@@ -43,6 +43,7 @@ from ..mst_core.families import streaming_model_types
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import LinearWeightGradsSummed, may_have_fp32_out_gemm, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
+from ..mst_core.router_logits import positions, token_major
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
 from .cache import (
     BackwardCache,
@@ -259,7 +260,7 @@ class StreamedCall:
             out[:, start:end].copy_(chunk_out)
             if logits is not None:
                 chunk_rows = chunk_logits[0].view(self.batch, end - start, -1)
-                router.positions(logits, self.batch, start, end).copy_(chunk_rows)
+                positions(logits, (self.batch,))[:, start:end].copy_(chunk_rows)
             del chunk_out, chunk_logits
         return (out,) if logits is None else (out, logits), buffers[0], buffers[1]
 
@@ -357,7 +358,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                         # The chunk's output, and its router logits (router.py) with their rows of that gradient.
                         grad_outs = [grad_out[:, start:end]]
                         if len(outs) > 1:
-                            logit_rows = router.positions(grad_router_logits.contiguous(), streamed.batch, start, end)
+                            logit_rows = positions(grad_router_logits.contiguous(), (streamed.batch,))[:, start:end]
                             grad_outs.append(logit_rows.reshape(outs[1].shape))
                         grads = torch.autograd.grad(outs, [*leaves, *inputs], grad_outs, allow_unused=True)
                         del outs, grad_outs
@@ -458,7 +459,7 @@ def _forward_with_checkpoints(streamed, x):
         out = torch.cat([chunk[0] for chunk in outs], dim=1)
         if len(outs[0]) == 1:
             return out
-        return out, router.joined([chunk[1] for chunk in outs], streamed.batch)
+        return out, token_major([chunk[1] for chunk in outs], (streamed.batch,))
 
     return checkpoint(layer_body, x, use_reentrant=False)
 

@@ -11,10 +11,8 @@ logits take their rows of its gradient, in the same `autograd.grad` as the chunk
 
 import contextlib
 
-import torch
-
 from ..mst_core.fields import STREAMING_FIELD
-from ..mst_core.wrappers import ROUTER_LOGITS, own_router_collector
+from ..mst_core.router_logits import ROUTER_LOGITS, own_router_collector
 from ..utils import output_capturing
 
 
@@ -32,7 +30,7 @@ def recording(collector) -> bool:
 @contextlib.contextmanager
 def chunk_collector(records: bool):
     """While the model records router logits, the collector the layer's hooks append to during one chunk call
-    (mst_core/wrappers.own_router_collector); else nothing changes (no other key is recorded inside a streamed layer:
+    (mst_core/router_logits.own_router_collector); else nothing changes (no other key is recorded inside a streamed layer:
     checks.check_captured_outputs)."""
     if not records:
         yield None
@@ -54,18 +52,6 @@ def chunk_logits(collected, layer, batch: int, rows: int):
             "[tokens, experts] router output per layer. Train without output_router_logits, or unset the field."
         )
     return logits[0]
-
-
-def positions(token_major: torch.Tensor, batch: int, start: int, end: int) -> torch.Tensor:
-    """Positions [start, end) of a token-major [batch * S, experts] tensor, as [batch, end - start, experts] (a view
-    of a contiguous one)."""
-    return token_major.view(batch, -1, token_major.shape[-1])[:, start:end]
-
-
-def joined(per_chunk: list, batch: int) -> torch.Tensor:
-    """The chunks' [batch * c, experts] logits as one token-major [batch * S, experts] tensor."""
-    experts = per_chunk[0].shape[-1]
-    return torch.cat([t.reshape(batch, -1, experts) for t in per_chunk], dim=1).reshape(-1, experts)
 
 
 def hand_over(result):

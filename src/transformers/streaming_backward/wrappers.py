@@ -10,8 +10,8 @@ the wrapper expects.
 
 import torch
 
-from ..mst_core.wrappers import function_parameters, is_output_capturing_hook, is_plain_parameter
-from .router import ROUTER_LOGITS
+from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook
+from ..mst_core.wrappers import function_parameters, is_plain_parameter
 
 
 def layer_parameters(layer):
