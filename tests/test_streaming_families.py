@@ -185,9 +185,8 @@ def tokens_per_projection(model, inputs, monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2"])
 def test_each_projection_sees_each_token_twice(family, monkeypatch):
-    """KEEP_KEYS_VALUES=True, 8 chunks, no padding: forward + one recompute per token through every projection, as
-    checkpointing."""
-    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", True)
+    """8 chunks, no padding: every projection sees each token twice (forward and one recompute; k/v: forward and
+    the backward's K/V pass, whose outputs the recompute gets back), as under checkpointing."""
     inputs = plain_batch(seed_of(family, "count"), seq=32)
     implementation = "eager" if family == "gemma2" else "sdpa"
     counts = tokens_per_projection(build(family, streaming_backward_chunk=4, attn_implementation=implementation),
@@ -203,7 +202,6 @@ def test_mini_sequence_mlp_unsplit_inside_a_streamed_chunk(family, monkeypatch):
     """Both flags, streamed chunks (8) longer than the MLP's mini-sequences (3): inside a chunk the MLP (Gemma-2: with
     its post-feedforward norm; Mixtral: the MoE block) runs unsplit, so it sees each token twice a step, not three
     times (a mini-sequence Function in the chunk's recompute would recompute it once more); exact."""
-    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", True)
     inputs = plain_batch(seed_of(family, "inside"), seq=32)
     implementation = "eager" if family == "gemma2" else "sdpa"
     counts = tokens_per_projection(
@@ -216,20 +214,23 @@ def test_mini_sequence_mlp_unsplit_inside_a_streamed_chunk(family, monkeypatch):
 
 
 def test_recomputed_keys_values_exact_and_counted(monkeypatch):
-    """KEEP_KEYS_VALUES=False (the default: checkpointing's memory): k_proj/v_proj see 3 passes (the backward's K/V
-    pass), q_proj 2 (that pass skips it: cache.queries_not_computed), a fused qkv_proj 3; exact with either setting,
-    left padding (blind chunks: K/V-only passes in the forward too) included."""
-    assert generic.KEEP_KEYS_VALUES is False
+    """Every projection sees 2 passes, as under checkpointing: the backward's K/V pass skips q_proj
+    (cache.queries_not_computed) and records k_proj/v_proj's (or a fused qkv_proj's) outputs, which each chunk's
+    recompute gets back (projections.py). Exact with left padding (blind chunks: K/V-only passes in the forward too,
+    their recorded outputs read twice in the backward), and with nothing recorded. Without the recording the k/v
+    counts are 3."""
     compare("qwen3", 5, padded_batch(seed_of("recompute")), monkeypatch, attn_implementation="sdpa")
-    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", True)
-    compare("qwen3", 5, padded_batch(seed_of("keep")), monkeypatch, attn_implementation="sdpa")
-    monkeypatch.setattr(generic, "KEEP_KEYS_VALUES", False)
     counts = tokens_per_projection(build("qwen3", streaming_backward_chunk=4), plain_batch(3, seq=32), monkeypatch)
-    assert counts == {"self_attn.q_proj": 2.0, "self_attn.k_proj": 3.0, "self_attn.v_proj": 3.0,
+    assert counts == {"self_attn.q_proj": 2.0, "self_attn.k_proj": 2.0, "self_attn.v_proj": 2.0,
                       "self_attn.o_proj": 2.0, "mlp.gate_proj": 2.0, "mlp.up_proj": 2.0, "mlp.down_proj": 2.0}
     counts = tokens_per_projection(build("phi3", streaming_backward_chunk=4), plain_batch(4, seq=32), monkeypatch)
-    assert counts == {"self_attn.qkv_proj": 3.0, "self_attn.o_proj": 2.0, "mlp.gate_up_proj": 2.0,
+    assert counts == {"self_attn.qkv_proj": 2.0, "self_attn.o_proj": 2.0, "mlp.gate_up_proj": 2.0,
                       "mlp.down_proj": 2.0}
+    # With nothing recorded, the recompute computes them again.
+    monkeypatch.setattr(generic, "recordable_projections", lambda attn, skipped=None: [])
+    counts = tokens_per_projection(build("qwen3", streaming_backward_chunk=4), plain_batch(3, seq=32), monkeypatch)
+    assert counts["self_attn.k_proj"] == counts["self_attn.v_proj"] == 3.0
+    compare("qwen3", 5, padded_batch(seed_of("unrecorded")), monkeypatch, attn_implementation="sdpa")
 
 
 def test_query_projection_skipped_only_where_nothing_else_changes():

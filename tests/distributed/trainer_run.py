@@ -3,10 +3,11 @@
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/distributed/trainer_run.py WRAPPER OUT_FILE
 
 WRAPPER: one of WRAPPERS below (FSDP: see fsdp_run.py). For each family (tiny Llama with tied embeddings; tiny Mistral with
-a sliding window shorter than the sequence; tiny Qwen3; Mixtral and Qwen3-MoE with the router's auxiliary loss) it
+a sliding window shorter than the sequence; tiny Qwen3; Mixtral, Qwen3-MoE and GPT-OSS with the router's auxiliary loss) it
 trains three times from the same weights and data (VARIANTS): flags unset, `mini_sequence_chunk` set (chunks that do not divide the sequence), and
 `streaming_backward_chunk` set (Llama, Qwen3, Qwen3-MoE: alone, with the Trainer's gradient checkpointing on too, which
-streaming must replace; Mistral, Mixtral: with `mini_sequence_chunk`; Mistral's query chunks longer than its window).
+streaming must replace; Mistral, Mixtral, GPT-OSS: with `mini_sequence_chunk`; Mistral's query chunks longer than its
+window).
 SGD, gradient accumulation 2, right padding and ignored labels. Rank 0 saves every micro-batch loss,
 the initial and the full final weights of each run, and how often the streamed layers recomputed a
 chunk and the Trainer's checkpointing ran, to OUT_FILE; tests/test_distributed.py compares each
@@ -30,9 +31,11 @@ from transformers.streaming_backward import layer as streamed_layer  # noqa: E40
 SEQ = 48
 # Per family, on top of tests/tiny_models.py: Llama with tied embeddings; Mistral with a sliding
 # window shorter than the sequence; Qwen3 (q/k norms) as it is there; Mixtral and Qwen3-MoE (MoE blocks; Qwen3-MoE's
-# first layer dense) with the router's auxiliary loss (`output_router_logits=True`, coefficient 1.0 there) added.
+# first layer dense) and GPT-OSS (MoE, alternating sliding windows, attention sinks; eager attention, its default) with
+# the router's auxiliary loss (`output_router_logits=True`, coefficient 1.0 there) added.
 FAMILIES = {"llama": dict(tie_word_embeddings=True), "mistral": dict(sliding_window=8), "qwen3": {},
-            "mixtral": dict(output_router_logits=True), "qwen3_moe": dict(output_router_logits=True)}
+            "mixtral": dict(output_router_logits=True), "qwen3_moe": dict(output_router_logits=True),
+            "gpt_oss": dict(output_router_logits=True)}
 CHUNK = 7  # mini-sequences of 7 tokens: does not divide the 2 x 48 tokens of a micro-batch
 STREAM = 10  # streamed query chunks of 10 tokens: 5 per layer call (the last one 8), longer than Mistral's window
 # Per variant and family: (config overrides, TrainingArguments overrides); "off" is the reference.
@@ -45,6 +48,7 @@ VARIANTS = {
         "qwen3": (dict(streaming_backward_chunk=STREAM), dict(gradient_checkpointing=True)),
         "mixtral": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), {}),
         "qwen3_moe": (dict(streaming_backward_chunk=STREAM), dict(gradient_checkpointing=True)),
+        "gpt_oss": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), {}),
     },
 }
 

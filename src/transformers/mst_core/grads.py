@@ -108,22 +108,34 @@ class LinearWeightGradsSummed(TorchFunctionMode):
         self.index = {id(p): i for i, p in enumerate(params) if p.dtype in half and p.dim() == 2}
         self.seen = set()
 
+    def takes(self, x, weight):
+        """The index of `weight` among `params` if this mode takes its gradient in ``F.linear(x, weight, ...)`` (a
+        half-precision matrix, `x` in its dtype, outside autocast, grad enabled), else None."""
+        # Not under no_grad (e.g. a chunked Function's own forward inside the recomputed chunk): nothing to take.
+        i = self.index.get(id(weight)) if self.index and torch.is_grad_enabled() else None
+        if i is None or self.params[i] is not weight or x.dtype != weight.dtype or torch.is_autocast_enabled(x.device.type):
+            return None
+        self.seen.add(i)
+        return i
+
+    def weight_grad_into(self, out, rows, index):
+        """`out` ([N, out], computed from `rows` [N, in] and params[index] detached), whose backward adds that
+        weight's gradient into the sums."""
+        return _LinearWeightGradInto.apply(out, rows, self.sums, index, self.params[index])
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # Not under no_grad (e.g. a chunked Function's own forward inside the recomputed chunk): nothing to take.
-        if func is F.linear and self.index and torch.is_grad_enabled():
+        if func is F.linear:
             x = args[0] if args else kwargs.get("input")
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            i = self.index.get(id(weight))
-            if (i is not None and self.params[i] is weight and x.dtype == weight.dtype
-                    and not torch.is_autocast_enabled(x.device.type)):
+            i = self.takes(x, weight)
+            if i is not None:
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                self.seen.add(i)
                 # Rows folded into one matrix, as matmul folds them when the weight needs a gradient: with the
                 # weight detached it would not fold a chunk (a strided view of the sequence) and run bmm instead
                 # (seen on an H100: 512 bmm calls, 47 ms a step at 16K tokens).
                 rows = x.reshape(-1, x.shape[-1])  # [*, in] -> [N, in]
-                out = _LinearWeightGradInto.apply(F.linear(rows, weight.detach(), bias), rows, self.sums, i, weight)
+                out = self.weight_grad_into(F.linear(rows, weight.detach(), bias), rows, i)
                 return out.view(*x.shape[:-1], out.shape[-1])  # [N, out] -> [*, out]
         return func(*args, **kwargs)
 

@@ -7,17 +7,19 @@ earlier tokens'. So any family whose attention uses that seam streams (q/k norms
 blocks, ...), and a rebase sees upstream's layer changes.
 
 Forward (no graph): chunk by chunk, the recording cache writes the chunk's K/V (after K-norm and RoPE, before
-repeat_kv) into full-sequence buffers and returns K/V[kv_start:end]. The layer input is saved for backward (as
-checkpointing saves it) and, with `KEEP_KEYS_VALUES` (off by default), the forward's K/V too.
+repeat_kv) into full-sequence buffers and returns K/V[kv_start:kv_end]. Only the layer input is saved for backward
+(as checkpointing saves it).
 
-Backward (one autograd Function), chunks from the last to the first. Chunk i is recomputed once, with graph, with
-a cache (cache.JoinedCache) that returns the buffers' K/V[kv_start:end] (views, no copy) joined to the K/V the
-layer computes for the chunk's own rows. One `autograd.grad` of out_i then does everything: at the join, the
-gradient of the earlier rows is added into dK/dV (row blocks, rows.py), and that of the chunk's own rows, plus
-what later chunks summed there (final: earlier chunks read no key after their own start), flows on through the
-layer's own K/V projections, norms and RoPE. q_proj, o_proj and the MLP see each token twice per step (forward and
-one recompute), as under checkpointing, k_proj/v_proj three times (the K/V pass below, which skips q_proj where
-nothing in it draws random numbers: cache.queries_not_computed), and chunk i reads only keys before its end.
+Backward (one autograd Function). First every chunk's K/V again, without graph (the layer stopped at the cache: the
+K/V pass). It skips q_proj where nothing in it draws random numbers (cache.queries_not_computed) and records the
+outputs of the projections before the cache (k_proj, v_proj, a fused qkv_proj: projections.py). Then the chunks from
+the last to the first. Chunk i is recomputed once, with graph, with a cache (cache.JoinedCache) that returns the
+buffers' K/V[kv_start:end] (views, no copy) joined to the K/V the layer computes for the chunk's own rows. One
+`autograd.grad` of out_i then does everything: at the join, the gradient of the earlier rows is added into dK/dV (row
+blocks, rows.py), and that of the chunk's own rows, plus what later chunks summed there (final: earlier chunks read
+no key after their own start), flows on through the layer's own K/V projections (which hand back their recorded
+outputs), norms and RoPE. So every projection sees each token twice per step, as under checkpointing (q_proj, o_proj,
+the MLP: forward and recompute; k/v: forward and K/V pass), and chunk i reads only keys before its end.
 
 A chunk holding a query row that sees no key (a left-padding position) or a key after the chunk's end (a
 bidirectional block: Gemma-3's image tokens, a prefix-LM mask) reads the whole sequence with its full mask rows, as
@@ -25,10 +27,6 @@ the unsplit layer does (a blind chunk, masks.plan_key_ranges): in the forward it
 layer stops at the cache, `StopAfterKeysValues`) and runs once every key exists; in the backward its output is backpropagated first
 (every key a leaf), its own K/V at its turn (the layer stopped at the cache again). Only such chunks cost one
 more pass through the projections before the cache.
-
-By default only the layer input is kept (checkpointing's memory), and the backward first recomputes every chunk's
-K/V without graph (the layer stopped at the cache); `KEEP_KEYS_VALUES = True` keeps the forward's K/V instead
-(2 passes through k/v, more memory).
 
 MoE router logits (`output_router_logits=True`) come back whole, with their graph, as one more output (router.py).
 """
@@ -74,18 +72,12 @@ from .masks import (
     splits_on_cpu,
 )
 from .offload import SavedInput, input_storage
+from .projections import RecordedProjections, recordable_projections
 from .rows import RowBlocks, row_blocks
 from .wrappers import layer_parameters
 from .zero3_leaves import leaf_gradients_queued_once
 
 
-# Keep the forward's K/V of every layer until its backward (2 passes per token through every projection) instead
-# of recomputing them there (checkpointing's memory; 3 passes through k_proj/v_proj, and through a fused qkv_proj or
-# a q_proj with dropout inside, e.g. LoRA's, see cache.discardable_query_projection). Off:
-# kept K/V cost 2 * kv_heads * head_dim values per token per layer over the whole step (half of a layer input's
-# size with 4 query heads per K/V head, as much with MHA), and memory is what streaming is for; the third pass
-# through k/v costs about 1.3% of a Llama-3-8B step's matmul FLOPs (q_proj's would be 2.5%: skipped).
-KEEP_KEYS_VALUES = False
 STREAMING_MODEL_TYPES = streaming_model_types()
 
 
@@ -153,6 +145,9 @@ class StreamedCall:
         # The query projection a pass stopping at the cache skips (cache.queries_not_computed); set by
         # decoder_layer_forward on the Function's path only (under a wrapper's hooks every module runs as upstream's).
         self.query_projection = None
+        # The projections before the cache whose outputs the backward's K/V pass records for each chunk's recompute
+        # (projections.py); set with `query_projection` (none recorded by default).
+        self.recorded_projections = RecordedProjections([])
         self.records_router_logits = records_router_logits  # (router.py) known in the forward, kept for the backward
 
     @contextlib.contextmanager
@@ -223,7 +218,8 @@ class StreamedCall:
         """Every chunk's K/V into `buffers` (the layer stopped at the cache), each pass replaying the RNG state of the
         forward pass that wrote them (`keys_values_rng`): the same dropout draws, the same K/V."""
         for index, (start, end) in enumerate(self.chunks):
-            with restore_rng_state(self.keys_values_rng(index), self.device):
+            rng = self.keys_values_rng(index)
+            with restore_rng_state(rng, self.device), self.recorded_projections.recording(index):
                 self.call(rows(start, end), index, RecordingCache(buffers, start, end, start, end, stop=True))
 
     def keys_values_rng(self, index):
@@ -277,7 +273,7 @@ class _KeptInput:
 
 class StreamedLayerFunction(torch.autograd.Function):
     """Inputs: x [B, S, d], the `StreamedCall`, whether to keep x in host memory, the layer's parameters that require
-    grad (plain leaf parameters: mst_core/wrappers.py). Saves x (and the forward's K/V with KEEP_KEYS_VALUES)."""
+    grad (plain leaf parameters: mst_core/wrappers.py). Saves x only."""
 
     @staticmethod
     def forward(ctx, x, streamed, storage, *params):
@@ -290,7 +286,7 @@ class StreamedLayerFunction(torch.autograd.Function):
             ctx.saved_input = None
         with streamed.views_of_one_mask():
             outputs, keys, values = streamed.run(x, record_rng=True)
-        ctx.keys_values = (keys, values) if KEEP_KEYS_VALUES else None
+        del keys, values
         return outputs if len(outputs) > 1 else outputs[0]
 
     @staticmethod
@@ -304,14 +300,10 @@ class StreamedLayerFunction(torch.autograd.Function):
         device = grad_out.device
         # Each parameter gradient is added into `acc` as autograd computes it (the calls below get zeros of no storage).
         with restore_autocast_state(ctx.autocast_state), summed_as_computed(acc, wanted), streamed.views_of_one_mask():
-            if ctx.keys_values is not None:
-                keys, values = ctx.keys_values
-                ctx.keys_values = None
-            else:
-                buffers = [None, None, streamed.seq_len]
-                with torch.no_grad():
-                    streamed.keys_values_only(x.rows, buffers)
-                keys, values = buffers[0], buffers[1]
+            buffers = [None, None, streamed.seq_len]
+            with torch.no_grad():
+                streamed.keys_values_only(x.rows, buffers)
+            keys, values = buffers[0], buffers[1]
             # dK/dV summed over chunks (in fp32 for half-precision K/V), one tensor per row block: a block is final,
             # and freed, once its first chunk has had its turn below (later chunks only add to rows before them).
             sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
@@ -346,7 +338,12 @@ class StreamedLayerFunction(torch.autograd.Function):
                 linear_sums = LinearWeightGradsSummed(acc, wanted) if take_linears else contextlib.nullcontext()
                 with restore_rng_state(rng, device), torch.enable_grad():
                     x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
-                    with linear_sums:
+                    # The projections before the cache return what the K/V pass computed (projections.py), where
+                    # this pass replays that pass's RNG state: not a blind chunk's output, drawn in a pass of its own.
+                    replayed = contextlib.nullcontext()
+                    if rng is streamed.keys_values_rng(index):
+                        replayed = streamed.recorded_projections.replaying(index, linear_sums if take_linears else None)
+                    with linear_sums, replayed:
                         outs = streamed.call(x_chunk, index, cache) or ()
                     inputs = [*([x_chunk] if needs_x else []), *wanted]
                     if not checked:
@@ -403,6 +400,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                     cache = JoinedCache(keys, values, start, end, kv_start, (grad_keys, grad_values))
                     chunk_backward(index, cache, own_keys_values=False)
                 release_final_rows(index)
+                streamed.recorded_projections.release(index)
             del keys, values
             if grad_keys.parts or grad_values.parts:  # rows added to after their chunks' turn: a lost gradient
                 raise RuntimeError(
@@ -508,6 +506,9 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
             with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
                 return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
     streamed.query_projection = discardable_query_projection(layer.self_attn)
+    streamed.recorded_projections = RecordedProjections(
+        recordable_projections(layer.self_attn, skipped=streamed.query_projection)
+    )
     if not (hidden_states.requires_grad or params):
         with torch.no_grad(), streamed.views_of_one_mask():
             outputs = streamed.run(hidden_states)[0]
