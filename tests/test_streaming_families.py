@@ -592,3 +592,15 @@ def test_own_router_collector_puts_the_models_back_while_compiling(monkeypatch):
         finally:
             variable.reset(token)
         assert variable.get() is None
+    # Set while traced, then run eagerly (a streamed layer is `torch.compiler.disable`d inside a compiled model).
+    monkeypatch.setattr(output_capturing, "is_torchdynamo_compiling", lambda: True)
+    model_collector = {"router_logits": []}
+    variable.set(model_collector)
+    monkeypatch.setattr(output_capturing, "is_torchdynamo_compiling", lambda: False)
+    try:
+        with own_router_collector() as collected:
+            assert variable.get() is collected
+        assert variable.get() is model_collector
+    finally:
+        variable.reset(None)
+    assert variable.get() is None

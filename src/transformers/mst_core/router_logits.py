@@ -33,19 +33,25 @@ def is_output_capturing_hook(hook, key: str) -> bool:
 def own_router_collector():
     """Upstream's output collector (utils/output_capturing.py) set to one of ours, recording router logits only,
     while a chunked caller runs one chunk of an MoE block or layer (mini_sequence/moe.py,
-    streaming_backward/router.py); yields its dict. The model's collector is put back by value where it was set while
-    compiling: upstream's `CompileableContextVar` is then a plain global, and its `reset` would drop it."""
+    streaming_backward/router.py); yields its dict. Where the model's collector was set while dynamo traced, upstream's
+    `CompileableContextVar` is a plain global until the model resets it, also in code that runs eagerly inside the
+    compiled model (a streamed layer, `torch.compiler.disable`d): ours is then set, and the model's put back, by value
+    (its `set` outside a trace would go to the context variable, which `get` no longer reads; its `reset` would
+    drop the model's)."""
     from ..utils import output_capturing
 
     variable = output_capturing._active_collector
     model_collector = variable.get()
     collected = {ROUTER_LOGITS: []}
-    token = variable.set(collected)
+    if variable.compiling:
+        variable.global_var, token = collected, None
+    else:
+        token = variable.set(collected)  # None while dynamo traces: a plain global from here on
     try:
         yield collected
     finally:
         if token is None:
-            variable.set(model_collector)
+            variable.global_var = model_collector
         else:
             variable.reset(token)
 

@@ -473,8 +473,14 @@ class _KeysValuesOnly(FixedCache):
         raise StopAfterKeysValues
 
 
+@torch.compiler.disable(reason="streaming_backward_chunk: a streamed layer runs eagerly inside a compiled model")
 def decoder_layer_forward(forward, layer, *args, **kwargs):
-    """Streamed training forward of `layer` (`forward` is the layer class's own forward)."""
+    """Streamed training forward of `layer` (`forward` is the layer class's own forward).
+
+    Not compiled (`torch.compiler.disable`): the model around it is, and each streamed layer call is one graph
+    break. Its backward takes `torch.autograd.grad` of each recomputed chunk, which no compiled graph can hold, and
+    its forward stops the layer at the cache by raising; traced, dynamo fell back to eager in parts of the layer
+    anyway, with more breaks (11 against 5 on a 2-layer Llama at 2K tokens) and a slower step (docs/limits.md)."""
     signature = inspect.signature(forward)
     bound = signature.bind(layer, *args, **kwargs)
     arguments = dict(bound.arguments)
