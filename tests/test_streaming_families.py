@@ -233,6 +233,32 @@ def test_recomputed_keys_values_exact_and_counted(monkeypatch):
     compare("qwen3", 5, padded_batch(seed_of("unrecorded")), monkeypatch, attn_implementation="sdpa")
 
 
+def test_lora_projections_with_dropout_see_each_token_twice(monkeypatch):
+    """PEFT LoRA (dropout 0.3) on q/k/v: the K/V pass cannot skip q_proj (its dropout draws before k/v's), so it runs
+    q, k and v; the recompute gets every plain Linear inside them back (base layers, lora_A, lora_B): 2 passes each,
+    as under checkpointing. (The gradients' exactness with dropout: tests/test_integrations.py.)"""
+    import peft
+
+    model = build("llama", streaming_backward_chunk=4)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "k_proj", "v_proj"])
+    model = peft.get_peft_model(model, config)
+    rows = {}
+    original = torch.nn.Linear.forward
+
+    def counted(linear, x):
+        rows[linear] = rows.get(linear, 0) + x.shape[:-1].numel()
+        return original(linear, x)
+
+    ids = plain_batch(5, seq=32)[0]
+    monkeypatch.setattr(torch.nn.Linear, "forward", counted)
+    model(input_ids=ids, labels=ids).loss.backward()
+    monkeypatch.setattr(torch.nn.Linear, "forward", original)
+    attention = model.base_model.model.model.layers[0].self_attn
+    counts = {name: rows.get(linear, 0) / ids.numel() for name, linear in attention.named_modules()
+              if type(linear) is torch.nn.Linear}
+    assert len(counts) == 10 and set(counts.values()) == {2.0}, counts  # 3 x (base, A, B) and o_proj
+
+
 def test_query_projection_skipped_only_where_nothing_else_changes():
     """cache.discardable_query_projection: a plain Linear or a LoRA-like module without dropout is skipped by a K/V
     pass; one holding a dropout with p > 0 (its draws come before k/v's, which the pass replays), one with hooks,
