@@ -136,6 +136,12 @@ class FixedCache(_ChunkCache):
         return self.keys, self.values
 
 
+def runs_its_class_forward(module) -> bool:
+    """Whether calling `module` runs its class's `forward` and nothing else: no hooks of its own, no `forward` set on
+    the instance (a pass of ours may swap that forward: queries_not_computed, projections.py)."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+
+
 def discardable_query_projection(attn):
     """`attn.q_proj` if a pass that stops at the cache may skip it (its queries are never read), else None.
 
@@ -146,7 +152,7 @@ def discardable_query_projection(attn):
     projection = getattr(attn, "q_proj", None)
     if not isinstance(projection, torch.nn.Module) or not isinstance(getattr(projection, "out_features", None), int):
         return None
-    if projection._forward_hooks or projection._forward_pre_hooks or "forward" in vars(projection):
+    if not runs_its_class_forward(projection):
         return None
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in projection.modules()):
         return None

@@ -25,8 +25,9 @@ A chunk holding a query row that sees no key (a left-padding position) or a key 
 bidirectional block: Gemma-3's image tokens, a prefix-LM mask) reads the whole sequence with its full mask rows, as
 the unsplit layer does (a blind chunk, masks.plan_key_ranges): in the forward it first only records its K/V (the
 layer stops at the cache, `StopAfterKeysValues`) and runs once every key exists; in the backward its output is backpropagated first
-(every key a leaf), its own K/V at its turn (the layer stopped at the cache again). Only such chunks cost one
-more pass through the projections before the cache.
+(every key a leaf), its own K/V at its turn (the layer stopped at the cache again). Only such chunks cost more passes
+through the projections before the cache (a K/V-only pass in the forward; their output recompute replays another RNG
+state than the backward's K/V pass, so it computes them again instead of reading their records).
 
 MoE router logits (`output_router_logits=True`) come back whole, with their graph, as one more output (router.py).
 """
@@ -512,11 +513,11 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
             with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
                 return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
     streamed.query_projection = discardable_query_projection(layer.self_attn)
-    streamed.recorded_projections = RecordedProjections(
-        recordable_projections(layer.self_attn, skipped=streamed.query_projection)
-    )
     if not (hidden_states.requires_grad or params):
         with torch.no_grad(), streamed.views_of_one_mask():
             outputs = streamed.run(hidden_states)[0]
         return router.hand_over(outputs if len(outputs) > 1 else outputs[0])
+    streamed.recorded_projections = RecordedProjections(
+        recordable_projections(layer.self_attn, skipped=streamed.query_projection)
+    )
     return router.hand_over(StreamedLayerFunction.apply(hidden_states, streamed, storage, *params))

@@ -21,6 +21,7 @@ import contextlib
 import torch
 
 from ..mst_core.grads import LinearWeightGradsSummed
+from .cache import runs_its_class_forward
 
 
 def recordable_projections(attn, skipped=None):
@@ -29,7 +30,7 @@ def recordable_projections(attn, skipped=None):
     return [
         module for module in attn.modules()
         if module is not skipped and type(module).forward is torch.nn.Linear.forward
-        and "forward" not in vars(module) and not (module._forward_hooks or module._forward_pre_hooks)
+        and runs_its_class_forward(module)
     ]
 
 

@@ -17,8 +17,7 @@ from ..utils import output_capturing
 
 
 def model_collector():
-    """The running model forward's output collector, or None (read once per streamed layer call: under compile each
-    read of the context variable is a graph break)."""
+    """The running model forward's output collector, or None (read once per streamed layer call)."""
     return output_capturing._active_collector.get()
 
 
