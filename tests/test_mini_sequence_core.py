@@ -458,9 +458,10 @@ def make_labels(batch, seq, ignored_row=True):
 @pytest.fixture
 def loss_backends(monkeypatch):
     """Counts the calls of each backend of ``mini_sequence_causal_lm_loss``: torch's
-    ``F.linear_cross_entropy`` ("torch_lce"), our Function ("own"), the per-chunk checkpointed
-    path taken under wrappers ("wrapped")."""
-    calls = {"torch_lce": 0, "own": 0, "wrapped": 0}
+    ``F.linear_cross_entropy`` ("torch_lce"), our Function ("own"), its vocabulary-sliced variant for
+    half-precision heads with more vocabulary rows than tokens ("sliced"), the per-chunk checkpointed path taken
+    under wrappers ("wrapped")."""
+    calls = {"torch_lce": 0, "own": 0, "sliced": 0, "wrapped": 0}
 
     def spy(name, real):
         def counted(*args, **kwargs):
@@ -473,6 +474,8 @@ def loss_backends(monkeypatch):
         monkeypatch.setattr(F, "linear_cross_entropy", spy("torch_lce", F.linear_cross_entropy))
     function = ms_loss._MiniSequenceLMLossFunction
     monkeypatch.setattr(function, "apply", staticmethod(spy("own", function.apply)))
+    sliced = ms_loss._VocabSlicedLMLossFunction
+    monkeypatch.setattr(sliced, "apply", staticmethod(spy("sliced", sliced.apply)))
     monkeypatch.setattr(ms_loss, "checkpointed_chunks", spy("wrapped", ms_loss.checkpointed_chunks))
     return calls
 
@@ -624,6 +627,156 @@ def test_loss_bf16_weight_grad_one_fp32_out_gemm_per_chunk(loss_backends, monkey
     assert calls == [((V, 7), torch.bfloat16)] * (chunks - 1) + [((V, 3 * S - 7 * (chunks - 1)), torch.bfloat16)]
     _, ref_grads = fp64_loss_grads(hidden, head, labels)
     assert_as_accurate_as_upstream(got_grads, up_grads, ref_grads, ["hidden grad", "weight grad"])
+
+
+# A vocabulary larger than the token count: half-precision plain heads take `_VocabSlicedLMLossFunction`.
+V_BIG = 1000
+
+
+def sliced_case(seed, dtype=torch.bfloat16, bias=False, batch=2, seq=150):
+    torch.manual_seed(seed)
+    head = nn.Linear(D, V_BIG, bias=bias).to(dtype)
+    hidden = torch.randn(batch, seq, D, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, V_BIG, (batch, seq))
+    labels[0, :9] = -100
+    labels[-1, -4:] = -100  # right padding
+    return head, hidden, labels
+
+
+def big_vocab_loss(hidden, head, labels, softcap=None, **kw):
+    logits = head(hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return ForCausalLMLoss(logits, labels, V_BIG, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 2.0])  # small: the cap bends the logits
+@pytest.mark.parametrize("chunk", [7, 37, 300])
+def test_loss_vocab_sliced_as_accurate_as_upstream(loss_backends, dtype, softcap, chunk):
+    # Fresh inputs per case; uneven token chunks (37, 7) and vocabulary slices (1000 rows in 8 slices of 125).
+    head, hidden, labels = sliced_case(40 + chunk, dtype)
+    up = big_vocab_loss(hidden, head, labels, softcap)
+    up_grads = torch.autograd.grad(up, [hidden, head.weight])
+    got = mini_sequence_causal_lm_loss(
+        hidden, head, labels, chunk_size=chunk, vocab_size=V_BIG, final_logit_softcapping=softcap
+    )
+    got_grads = torch.autograd.grad(got, [hidden, head.weight])
+    assert_only_backend(loss_backends, "sliced")
+    assert got.dtype == torch.float32
+    assert_rel_close(got, up, 1e-5, "loss")  # fp32 sums of the same half-precision logits
+    assert all(g.dtype == dtype for g in got_grads)
+    head64 = as_fp64(head)
+    hidden64 = hidden.detach().double().requires_grad_()
+    ref = big_vocab_loss(hidden64, head64, labels, softcap)
+    ref_grads = torch.autograd.grad(ref, [hidden64, head64.weight])
+    assert_as_accurate_as_upstream(got_grads, up_grads, ref_grads, ["hidden grad", "weight grad"])
+
+
+def test_loss_vocab_sliced_fp32_out_gemms(loss_backends, monkeypatch):
+    # Where the backend has an fp32-output GEMM (CUDA), both products of each (slice, chunk) are one such GEMM of the
+    # half-precision operands: the weight's [slice, chunk] x [chunk, d], the hidden states' [chunk, slice] x [slice, d].
+    calls = fp32_out_addmm_stand_in(monkeypatch)
+    head, hidden, labels = sliced_case(47)
+    up_grads = torch.autograd.grad(big_vocab_loss(hidden, head, labels), [hidden, head.weight])
+    got = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=100, vocab_size=V_BIG)
+    got_grads = torch.autograd.grad(got, [hidden, head.weight])
+    assert_only_backend(loss_backends, "sliced")
+    rows = ms_loss._vocab_slice_rows(V_BIG)
+    per_slice = [((rows, 100), torch.bfloat16), ((100, rows), torch.bfloat16)] * 3
+    assert rows == 125 and calls == per_slice * (V_BIG // rows)
+    head64 = as_fp64(head)
+    hidden64 = hidden.detach().double().requires_grad_()
+    ref_grads = torch.autograd.grad(big_vocab_loss(hidden64, head64, labels), [hidden64, head64.weight])
+    assert_as_accurate_as_upstream(got_grads, up_grads, ref_grads, ["hidden grad", "weight grad"])
+
+
+def test_loss_vocab_sliced_divisors_and_incoming_gradient(loss_backends):
+    # num_items_in_batch (the Trainer's accumulation divisor), a loss scaled before backward, a frozen bias, a head
+    # tied to an embedding, and every label ignored (upstream: NaN loss, zero gradients; 0 with num_items_in_batch).
+    head, hidden, labels = sliced_case(48, bias=True)
+    head.bias.requires_grad_(False)
+    for kw in ({}, {"num_items_in_batch": torch.tensor(211)}):
+        up = big_vocab_loss(hidden, head, labels, **kw) * 3.0
+        got = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=64, vocab_size=V_BIG, **kw) * 3.0
+        up_grads = torch.autograd.grad(up, [hidden, head.weight])
+        got_grads = torch.autograd.grad(got, [hidden, head.weight])
+        assert_rel_close(got, up, 1e-5, "loss")
+        for a, b in zip(got_grads, up_grads):
+            assert_rel_close(a, b, 2e-2, "grad")  # bf16 results of one computation, summed in another order
+    ignored = torch.full_like(labels, -100)
+    got = mini_sequence_causal_lm_loss(hidden, head, ignored, chunk_size=64, vocab_size=V_BIG)
+    got_grads = torch.autograd.grad(got, [hidden, head.weight])
+    assert torch.isnan(got) and all(torch.equal(g, torch.zeros_like(g)) for g in got_grads)
+    got = mini_sequence_causal_lm_loss(hidden, head, ignored, chunk_size=64, vocab_size=V_BIG, num_items_in_batch=5)
+    assert got.item() == 0.0
+    embed = nn.Embedding(V_BIG, D).bfloat16()
+    tied = nn.Linear(D, V_BIG, bias=False).bfloat16()
+    tied.weight = embed.weight
+    ids = torch.randint(0, V_BIG, (2, 150))
+    grads = []
+    for loss_fn in (big_vocab_loss, None):
+        hidden_states = torch.tanh(embed(ids))
+        if loss_fn is None:
+            loss = mini_sequence_causal_lm_loss(hidden_states, tied, labels, chunk_size=64, vocab_size=V_BIG)
+        else:
+            loss = loss_fn(hidden_states, tied, labels)
+        grads.append(torch.autograd.grad(loss, [embed.weight])[0])
+    assert_rel_close(grads[1], grads[0], 2e-2, "tied weight grad")
+    assert loss_backends["sliced"] == 5 and loss_backends["own"] == 0
+
+
+def test_loss_vocab_sliced_only_where_it_holds_less(loss_backends):
+    pays = ms_loss._vocab_sliced_backward_pays
+    head = nn.Linear(D, V_BIG, bias=False).bfloat16()
+    rows = ms_loss._vocab_slice_rows(V_BIG)
+    short, long = torch.zeros(V_BIG - rows - 1, D).bfloat16(), torch.zeros(V_BIG - rows, D).bfloat16()
+    assert pays(head, short, [head.weight], V_BIG)
+    assert not pays(head, long, [head.weight], V_BIG)  # its [N, d] fp32 sum is no smaller than the [V, d] one
+    assert not pays(head, short, [], V_BIG)  # frozen head: no [V, d] sum to avoid
+    with_bias = nn.Linear(D, V_BIG, bias=True).bfloat16()
+    assert not pays(with_bias, short, [with_bias.weight, with_bias.bias], V_BIG)
+    fp32 = nn.Linear(D, V_BIG, bias=False)
+    assert not pays(fp32, short.float(), [fp32.weight], V_BIG)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not pays(head, short, [head.weight], V_BIG)
+    # The slices: at least 8, of at most 8192 rows.
+    assert ms_loss._vocab_slice_rows(32000) == 4000 and ms_loss._vocab_slice_rows(262144) == 8192
+    assert ms_loss._vocab_slice_rows(151936) == 7997  # 19 slices
+    # A token count at or above the vocabulary keeps the accumulating Function.
+    head, hidden, labels = sliced_case(49, seq=V_BIG // 2)
+    loss = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=128, vocab_size=V_BIG)
+    torch.autograd.grad(loss, [hidden, head.weight])
+    assert_only_backend(loss_backends, "own")
+
+
+def test_loss_vocab_sliced_peak_below_accumulating_function(monkeypatch):
+    # The same loss and gradients with less held: no fp32 [V, d] sum (d=256, V=32000, 2048 tokens: 126.0 vs 78.2
+    # MiB measured; this shape keeps V > N and d small enough for a fast test).
+    torch.manual_seed(50)
+    n_tokens, d, vocab, chunk = 512, 256, 8000, 256
+    head = nn.Linear(d, vocab, bias=False).bfloat16()
+    hidden = torch.randn(1, n_tokens, d).bfloat16()
+    labels = torch.randint(0, vocab, (1, n_tokens))
+
+    def run(sliced):
+        if not sliced:
+            monkeypatch.setattr(ms_loss, "_vocab_sliced_backward_pays", lambda *a: False)
+        h = hidden.clone().requires_grad_()
+        with LiveTensorTracker(keep_largest=10_000) as tracker:
+            loss = mini_sequence_causal_lm_loss(h, head, labels, chunk_size=chunk, vocab_size=vocab)
+            grads = torch.autograd.grad(loss, [h, head.weight])
+        return tracker, loss, grads
+
+    sliced, loss, grads = run(True)
+    whole, loss_whole, grads_whole = run(False)
+    # [V, d] tensors: the returned gradient only, against an fp32 sum and the gradient rounded from it.
+    assert len([r for r in sliced.largest_shapes if r[1] == (vocab, d)]) == 1, sliced.largest_shapes[:5]
+    assert len([r for r in whole.largest_shapes if r[1] == (vocab, d)]) == 2, whole.largest_shapes[:5]
+    assert sliced.peak_bytes < 0.8 * whole.peak_bytes, (sliced.peak_bytes / 2**20, whole.peak_bytes / 2**20)
+    assert_rel_close(loss, loss_whole, 1e-6, "loss")
+    for a, b in zip(grads, grads_whole):
+        assert_rel_close(a, b, 2e-2, "grad")
 
 
 def test_loss_head_saving_its_output(loss_backends):

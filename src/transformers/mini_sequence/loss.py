@@ -72,7 +72,7 @@ calls the module itself.
 import torch
 import torch.nn.functional as F
 
-from ..mst_core.grads import accumulate_grads, add_linear_weight_grad
+from ..mst_core.grads import accumulate_grads, add_linear_weight_grad, add_product_fp32
 from ..mst_core.wrappers import (
     is_plain_parameter,
     call_hooks_once,
@@ -294,6 +294,124 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
         return (grad_hidden, None, None, None, None, None, None, None, *param_grads)
 
 
+def _cross_entropy_sum_and_lse(logits, labels, ignore_index, lse_out):
+    """fp32 sum of the token losses of ``logits`` [C, V] (as `_cross_entropy_sum_and_grad`), and each row's fp32
+    log-sum-exp written into ``lse_out`` [C], a few rows at a time."""
+    labels = labels.to(logits.device)
+    rows = max(1, -(-logits.shape[0] // _ROW_BLOCKS_PER_CHUNK))
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], rows):
+        end = min(start + rows, logits.shape[0])
+        target = labels[start:end]
+        valid = target != ignore_index
+        block = logits[start:end].float()
+        lse_out[start:end] = torch.logsumexp(block, dim=-1)
+        picked = block.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1) - lse_out[start:end]
+        total -= torch.where(valid, picked, 0.0).sum()
+        del block
+    return total
+
+
+# The vocabulary slices of `_VocabSlicedLMLossFunction`'s backward: at least this many ...
+_VOCAB_SLICES_MIN = 8
+# ... and none of more rows than this (a slice's fp32 weight-gradient sum: 128 MiB at d = 4096).
+_VOCAB_SLICE_MAX_ROWS = 8192
+
+
+def _vocab_slice_rows(vocab_size: int) -> int:
+    slices = max(_VOCAB_SLICES_MIN, -(-vocab_size // _VOCAB_SLICE_MAX_ROWS))
+    return -(-vocab_size // slices)
+
+
+def _vocab_sliced_backward_pays(lm_head, hidden, params, vocab_size) -> bool:
+    """Whether `_VocabSlicedLMLossFunction` applies to ``lm_head`` and holds less than `_MiniSequenceLMLossFunction`:
+    a plain half-precision ``nn.Linear`` head whose weight is the only parameter that wants a gradient (a trainable
+    bias or LoRA head: no), ``hidden`` [N, d] in its dtype, and fewer tokens than vocabulary rows: its fp32 sums, the
+    hidden states' gradient [N, d] and one slice's weight gradient, are then smaller than the [V, d] one."""
+    weight = _manual_weight(lm_head, params, hidden.device.type)
+    if weight is None or len(params) != 1 or weight.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if hidden.dtype != weight.dtype or weight.shape[0] != vocab_size or weight.device != hidden.device:
+        return False
+    return hidden.shape[0] + _vocab_slice_rows(vocab_size) < vocab_size
+
+
+class _VocabSlicedLMLossFunction(torch.autograd.Function):
+    """The loss of `_MiniSequenceLMLossFunction` for a half-precision plain ``nn.Linear`` head, without its fp32 [V, d]
+    weight-gradient sum (`_vocab_sliced_backward_pays` says when).
+
+    Forward (no graph): ``lm_head(chunk)`` chunk by chunk, the fp32 loss sum and each token's fp32 log-sum-exp
+    (saved: [N] floats). Backward: the vocabulary in slices; for each slice every token chunk's logits of that slice
+    again, their gradient from the saved log-sum-exp (as upstream's cross-entropy backward computes it, in fp32, then
+    rounded once to the logits' dtype; through the soft-cap by autograd), and both products summed in fp32: the
+    slice's weight gradient (rounded once into the returned gradient when the slice is done) and the hidden states'
+    (all tokens, rounded once at the end). So the fp32 sums are [N, d] + [V / slices, d], not [V, d]: for a 262K
+    vocabulary at d = 4096 in bf16, 0.5 GiB at 32K tokens instead of 4 GiB. The price: the logits are computed
+    twice (forward and backward), one more [N, d] x [d, V] GEMM than the other Function, as DeepSpeed ALST's tiled
+    loss does (arXiv 2506.13996). The head's weight and bias are read by slice as ``nn.Linear.forward`` reads them
+    (``F.linear``): only a module of exactly that class comes here."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, chunk_size, lm_head, softcap, ignore_index, divisor, weight):
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden.shape[0])
+            logits = _apply_softcap(lm_head(hidden[start:end]), softcap)
+            total += _cross_entropy_sum_and_lse(logits, labels[start:end], ignore_index, lse[start:end])
+            del logits
+        divisor = divisor.to(hidden.device)
+        ctx.save_for_backward(hidden, labels, lse, divisor)
+        ctx.chunk_size, ctx.lm_head, ctx.softcap, ctx.ignore_index = chunk_size, lm_head, softcap, ignore_index
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        refuse_create_graph("mini-sequence LM-head loss")
+        hidden, labels, lse, divisor = ctx.saved_tensors
+        lm_head, softcap, chunk_size = ctx.lm_head, ctx.softcap, ctx.chunk_size
+        weight, bias = lm_head.weight.detach(), lm_head.bias
+        # d(loss) / d(each token's loss) in fp32, as upstream's division backward computes it; 0 for an ignored token
+        # and for a divisor of 0 (see `divide_loss_sum`).
+        scale = torch.where(divisor == 0, 0.0, grad_total.float() / divisor)
+        valid = labels != ctx.ignore_index
+        row_scale = torch.where(valid, scale, 0.0).unsqueeze(1)
+        target = torch.where(valid, labels, -1)
+        needs_hidden = ctx.needs_input_grad[0]
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
+        grad_weight = torch.empty_like(weight)
+        slice_rows = _vocab_slice_rows(weight.shape[0])
+        for first in range(0, weight.shape[0], slice_rows):
+            last = min(first + slice_rows, weight.shape[0])
+            weight_slice = weight[first:last]
+            bias_slice = None if bias is None else bias.detach()[first:last]
+            slice_sum = torch.zeros(weight_slice.shape, dtype=torch.float32, device=weight.device)
+            for start in range(0, hidden.shape[0], chunk_size):
+                rows = slice(start, min(start + chunk_size, hidden.shape[0]))
+                hidden_rows = hidden[rows].detach()
+                logits = raw = F.linear(hidden_rows, weight_slice, bias_slice)
+                if softcap is not None:
+                    with torch.enable_grad():
+                        logits = _apply_softcap(raw.requires_grad_(), softcap)
+                grad = logits.detach().float().sub_(lse[rows].unsqueeze(1)).exp_().mul_(row_scale[rows])
+                in_slice = (target[rows] >= first) & (target[rows] < last)
+                column = torch.where(in_slice, target[rows] - first, 0).unsqueeze(1)
+                grad.scatter_add_(1, column, torch.where(in_slice.unsqueeze(1), -row_scale[rows], 0.0))
+                grad = grad.to(logits.dtype)
+                if softcap is not None:
+                    (grad,) = torch.autograd.grad(logits, raw, grad)
+                del raw, logits
+                add_product_fp32(slice_sum, grad.T, hidden_rows)
+                if needs_hidden:
+                    add_product_fp32(grad_hidden[rows], grad, weight_slice)
+                del grad
+            grad_weight[first:last].copy_(slice_sum)
+            del slice_sum
+        if needs_hidden:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, None, None, None, None, None, None, grad_weight
+
+
 def _can_use_linear_cross_entropy(lm_head, hidden, softcap, vocab_size) -> bool:
     """True when torch's fused chunked op computes exactly what ``lm_head`` + loss would."""
     if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
@@ -406,6 +524,10 @@ def mini_sequence_causal_lm_loss(
             hidden, lm_head.weight, flat_labels, reduction="sum", ignore_index=ignore_index, options=options
         )
         loss = divide_loss_sum(loss_sum, divisor)
+    elif params is not None and _vocab_sliced_backward_pays(lm_head, hidden, params, vocab_size):
+        loss = _VocabSlicedLMLossFunction.apply(
+            hidden, flat_labels, chunk_size, lm_head, final_logit_softcapping, ignore_index, divisor, lm_head.weight
+        )
     elif params is not None and (hidden.requires_grad or params):
         loss = _MiniSequenceLMLossFunction.apply(
             hidden, flat_labels, chunk_size, lm_head, final_logit_softcapping, ignore_index, vocab_size, divisor,

@@ -47,6 +47,27 @@ def may_have_fp32_out_gemm(tensor) -> bool:
     return (tensor.device.type, type(tensor)) not in _NO_FP32_OUT_GEMM
 
 
+def _fp32_out_addmm(acc, a, b) -> bool:
+    """``acc += a @ b`` (``acc`` fp32, ``a`` and ``b`` half precision) by one GEMM with an fp32 output, if the backend
+    of ``acc`` has one; False (nothing done) if not."""
+    if not may_have_fp32_out_gemm(acc):
+        return False
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return True
+    except (NotImplementedError, TypeError):  # no such kernel for this backend, or a torch without out_dtype
+        _NO_FP32_OUT_GEMM.add((acc.device.type, type(acc)))
+        return False
+
+
+def add_product_fp32(acc, a, b):
+    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` half precision, the product never rounded to half
+    precision: one fp32-output GEMM where the backend has one (CUDA), else a GEMM of fp32 copies of ``a`` and ``b``
+    written into ``acc`` in place (for operands of one vocabulary slice: mini_sequence/loss.py)."""
+    if not _fp32_out_addmm(acc, a, b):
+        acc.addmm_(a.float(), b.float())
+
+
 def add_linear_weight_grad(acc, grad_out, inputs):
     """``acc += grad_out.T @ inputs`` ([V, C] x [C, d]). A half-precision chunk into an fp32 accumulator is one
     GEMM with an fp32 output where the backend has one (CUDA): the product is never rounded to half precision
@@ -54,12 +75,8 @@ def add_linear_weight_grad(acc, grad_out, inputs):
     time of the product and the fp32 add, for the LM head's and the MLP's weights. Elsewhere in slices of the
     V output features: besides the accumulator only one slice's product exists (in the inputs' dtype, so it is
     rounded once, as autograd's would be), not a whole [V, d] gradient per chunk."""
-    if acc.dtype == torch.float32 and grad_out.dtype != acc.dtype and may_have_fp32_out_gemm(acc):
-        try:
-            torch.addmm(acc, grad_out.T, inputs, out_dtype=torch.float32, out=acc)
-            return
-        except (NotImplementedError, TypeError):  # no such kernel for this backend, or a torch without out_dtype
-            _NO_FP32_OUT_GEMM.add((acc.device.type, type(acc)))
+    if acc.dtype == torch.float32 and grad_out.dtype != acc.dtype and _fp32_out_addmm(acc, grad_out.T, inputs):
+        return
     step = -(-acc.shape[0] // _WEIGHT_GRAD_SLICES)
     for start in range(0, acc.shape[0], step):
         rows = slice(start, start + step)
