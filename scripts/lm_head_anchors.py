@@ -155,9 +155,25 @@ def run_alst(head, hidden, labels, chunk):
     return (value.detach(), *grads)
 
 
-def run_ours(head, hidden, labels, chunk):
+def ours_slices_vocabulary(tokens, hidden_size, vocab, dtype):
+    """Whether ours takes its vocabulary-sliced backward at this shape (loss.py's own test, on fake tensors)."""
+    with FakeTensorMode():
+        head = torch.nn.Linear(hidden_size, vocab, bias=False, dtype=dtype)
+        hidden = torch.empty(tokens, hidden_size, dtype=dtype)
+    return loss._vocab_sliced_backward_pays(head, hidden, [head.weight], vocab)
+
+
+def run_ours(head, hidden, labels, chunk, sliced=None):
+    """``sliced``: the backward the full shape takes (`ours_slices_vocabulary`), kept at the timed token count, which
+    may decide otherwise; None: whatever loss.py picks."""
     h = hidden.detach().requires_grad_()
-    value = loss.mini_sequence_causal_lm_loss(h, head, labels, chunk_size=chunk, vocab_size=head.weight.shape[0])
+    decide = loss._vocab_sliced_backward_pays
+    if sliced is not None:
+        loss._vocab_sliced_backward_pays = lambda *args: sliced
+    try:
+        value = loss.mini_sequence_causal_lm_loss(h, head, labels, chunk_size=chunk, vocab_size=head.weight.shape[0])
+    finally:
+        loss._vocab_sliced_backward_pays = decide
     return (value, *torch.autograd.grad(value, [h, head.weight]))
 
 
@@ -358,8 +374,10 @@ def main(argv=None):
                     peaks[dname, tokens, vocab, method] = peak_mib(
                         method, dtype, tokens, args.hidden, vocab, full[method], fake=True,
                         default_options=method == "torch-lce")
+                sliced = ours_slices_vocabulary(tokens, args.hidden, vocab, dtype)
                 print(f"peaks {dname} S={tokens} V={vocab}: " + ", ".join(
                     f"{m} {peaks[dname, tokens, vocab, m]:.1f} MiB (chunk {full[m]})" for m in METHODS)
+                    + (", ours vocabulary-sliced" if sliced else "")
                     + f"  [{time.perf_counter() - started:.0f} s]", flush=True)
 
     if args.peaks_only:
@@ -385,14 +403,15 @@ def main(argv=None):
             for tokens in args.tokens:
                 for method in METHODS:
                     eff = min(chunks[dname, tokens, vocab][method], time_tokens)
-                    steps.setdefault((method, eff), []).append(tokens)
+                    sliced = ours_slices_vocabulary(tokens, args.hidden, vocab, dtype) if method == "ours" else None
+                    steps.setdefault((method, eff, sliced), []).append(tokens)
             times = {key: [] for key in steps}
             errors = {}
             for round_ in range(repeats + 1):  # round 0: warm-up
                 for key in steps:
-                    method, eff = key
+                    method, eff, sliced = key
                     start = time.perf_counter()
-                    out = RUNNERS[method](head, hidden, labels, eff)
+                    out = RUNNERS[method](head, hidden, labels, eff, **({} if sliced is None else {"sliced": sliced}))
                     elapsed = time.perf_counter() - start
                     if round_:
                         times[key].append(elapsed)

@@ -307,6 +307,40 @@ def test_bf16_as_accurate_as_upstream(family):
         assert err <= 1.25 * err_up, f"{group}: error {err:.2e} vs fp32, upstream bf16 {err_up:.2e}"
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3", "gemma3_text"])
+def test_bf16_vocab_sliced_head_as_accurate_as_upstream(family, monkeypatch):
+    """A trained bf16 head with more vocabulary rows than tokens (1024 rows, 2 x 100 tokens: N + 128-row slices <
+    V) takes the vocabulary-sliced backward (mini_sequence/loss.py), as accurate as upstream bf16 against fp32 from
+    the same weights and inputs, with padding, ignored labels and a fully ignored row."""
+    from transformers.mini_sequence import loss as ms_loss
+
+    calls = []
+    real_apply = ms_loss._VocabSlicedLMLossFunction.apply
+    monkeypatch.setattr(ms_loss._VocabSlicedLMLossFunction, "apply",
+                        staticmethod(lambda *args: calls.append(1) or real_apply(*args)))
+    inputs = batch(15, bsz=3, seq=70)
+    kwargs = {"vocab_size": 1024}
+    model16 = make_model(family, **kwargs).to(torch.bfloat16)
+    with torch.no_grad():  # logits of a few units: a peaked softmax, whose part of the head's gradient then shows
+        model16.get_output_embeddings().weight.mul_(16)
+    model32 = make_model(family, **kwargs)
+    model32.load_state_dict({k: v.float() for k, v in model16.state_dict().items()})
+    _, ref_grads, ref_embeds_grad = train_step(model32, *inputs)
+    reference = grad_groups(model32, ref_grads, ref_embeds_grad)
+    runs = {}
+    for chunk in (None, 16):
+        model = make_model(family, mini_sequence_chunk=chunk, **kwargs).to(torch.bfloat16)
+        model.load_state_dict(model16.state_dict())
+        out, grads, embeds_grad = train_step(model, *inputs)
+        runs[chunk] = out.loss, grad_groups(model, grads, embeds_grad)
+    assert calls == [1]  # the flagged run's loss, once
+    (up_loss, up), (loss, ours) = runs[None], runs[16]
+    assert_close(loss, up_loss, 1e-5, "loss")
+    for group, ref in reference.items():
+        err, err_up = [((g[group] - ref).norm() / ref.norm()).item() for g in (ours, up)]
+        assert err <= 1.25 * err_up, f"{group}: error {err:.2e} vs fp32, upstream bf16 {err_up:.2e}"
+
+
 # ----------------------------------------------------------------------------- memory
 
 

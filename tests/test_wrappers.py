@@ -268,14 +268,19 @@ def test_composite_model_with_flag_on_text_config_warns(caplog):
     assert "LlavaForConditionalGeneration computes its LM head" in caplog.text
 
 
-def test_wrapped_lm_loss_peak_equals_function_path_in_bf16():
+def test_wrapped_lm_loss_peak_equals_function_path_in_bf16(monkeypatch):
     """On the wrapper path (a head whose weight a wrapper swaps: ZeRO-3, FSDP) each checkpointed chunk's loss
     is computed a few rows at a time in fp32, as the Function path does: no fp32 copy of a chunk's [C, V]
     logits, no fp32 log-probabilities or gradient (upstream's `F.cross_entropy(logits.float())` in the chunk
     held them: 2.6x the Function path's peak here, now 1.2x: what is left is the [V, d] weight gradient of
     one chunk that autograd builds before adding it into `.grad`). Same loss and hidden-state gradient as
-    the Function path."""
+    the Function path. The Function path here is the accumulating one: with more vocabulary rows than tokens a
+    plain bf16 head would take the vocabulary-sliced backward, which holds no fp32 [V, d] sum at all (compared
+    with the accumulating Function in test_mini_sequence_core.py)."""
+    from transformers.mini_sequence import loss as ms_loss
     from transformers.mst_core.memory import LiveTensorTracker
+
+    monkeypatch.setattr(ms_loss, "_vocab_sliced_backward_pays", lambda *args: False)
 
     seeded("wrapped bf16 peak")
     n, d, v, chunk = 512, 64, 8000, 128

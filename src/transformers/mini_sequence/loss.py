@@ -67,6 +67,13 @@ Hence: a plain fp32 ``nn.Linear`` head without bias, hooks or soft-capping, outs
 autocast, goes to ``linear_cross_entropy`` (faster, exact); everything else (bf16/fp16,
 autocast, soft-capping, bias, LoRA / quantized / hooked heads) uses this Function, which
 calls the module itself.
+
+Except one case (since 5.24.0+mst.19): a plain half-precision ``nn.Linear`` head whose weight trains, with fewer
+tokens than vocabulary rows (``_vocab_sliced_backward_pays``). There the fp32 [V, d] weight-gradient sum is the
+largest thing the loss holds (for a 262K vocabulary at d = 4096: 4 GiB, against 2 GiB for DeepSpeed ALST's bf16
+``W.grad``), and ``_VocabSlicedLMLossFunction`` does without it: its backward walks the vocabulary in slices and
+holds fp32 sums of [N, d] + [V / slices, d] instead, for one more logits GEMM (4 [N, d] x [d, V]-sized GEMMs a
+step instead of 3, as ALST's tiled loss). docs/measurements.md has its peaks and times against the anchors.
 """
 
 import torch
