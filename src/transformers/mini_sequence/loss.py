@@ -351,8 +351,9 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
     (saved: [N] floats). Backward: the vocabulary in slices; for each slice every token chunk's logits of that slice
     again, their gradient from the saved log-sum-exp (as upstream's cross-entropy backward computes it, in fp32, then
     rounded once to the logits' dtype; through the soft-cap by autograd), and both products summed in fp32: the
-    slice's weight gradient (rounded once into the returned gradient when the slice is done) and the hidden states'
-    (all tokens, rounded once at the end). So the fp32 sums are [N, d] + [V / slices, d], not [V, d]: for a 262K
+    slice's weight gradient (`add_linear_weight_grad`, as the other Function sums its [V, d] one; rounded once into
+    the returned gradient when the slice is done) and the hidden states' (`add_product_fp32`: no product rounded to
+    half precision, as the unsplit GEMM sums over the whole vocabulary; rounded once at the end). So the fp32 sums are [N, d] + [V / slices, d], not [V, d]: for a 262K
     vocabulary at d = 4096 in bf16, 0.5 GiB at 32K tokens instead of 4 GiB. The price: the logits are computed
     twice (forward and backward), one more [N, d] x [d, V] GEMM than the other Function, as DeepSpeed ALST's tiled
     loss does (arXiv 2506.13996). The head's weight and bias are read by slice as ``nn.Linear.forward`` reads them
@@ -408,7 +409,7 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
                 if softcap is not None:
                     (grad,) = torch.autograd.grad(logits, raw, grad)
                 del raw, logits
-                add_product_fp32(slice_sum, grad.T, hidden_rows)
+                add_linear_weight_grad(slice_sum, grad, hidden_rows)
                 if needs_hidden:
                     add_product_fp32(grad_hidden[rows], grad, weight_slice)
                 del grad
