@@ -60,6 +60,10 @@ def check_model(model) -> None:
     validate_fields(config)
     if any(getattr(config, field, None) is not None for field in CONFIG_FIELDS):
         model.register_forward_pre_hook(check_forwards_at_first_training_step)
+    if getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, STREAMING_FIELD, None) is not None:
+        from ..streaming_backward import compiled
+
+        compiled.register_layers(model)  # names for its layers in a compiled graph
     for field, model_types in FIELD_MODEL_TYPES.items():
         value = getattr(config, field, None)
         if value is not None and model_type not in model_types:

@@ -144,7 +144,7 @@ class StreamedCall:
         self.use_offset_masks = self.mask is None and not self.flash and self.device.type == "cpu"
         self.taking_views = False  # inside `views_of_one_mask`
         # The query projection a pass stopping at the cache skips (cache.queries_not_computed); set by
-        # decoder_layer_forward on the Function's path only (under a wrapper's hooks every module runs as upstream's).
+        # prepared_call, unset on the wrappers' path (under a wrapper's hooks every module runs as upstream's).
         self.query_projection = None
         # The projections before the cache whose outputs the backward's K/V pass records for each chunk's recompute
         # (projections.py); set with `query_projection` (none recorded by default).
@@ -474,14 +474,20 @@ class _KeysValuesOnly(FixedCache):
         raise StopAfterKeysValues
 
 
-@torch.compiler.disable(reason="streaming_backward_chunk: a streamed layer runs eagerly inside a compiled model")
 def decoder_layer_forward(forward, layer, *args, **kwargs):
-    """Streamed training forward of `layer` (`forward` is the layer class's own forward).
+    """Streamed training forward of `layer` (`forward` is the layer class's own forward). While torch.compile
+    traces, one operator of the graph where the call allows it (compiled.py), else the eager call (one graph break)."""
+    if torch.compiler.is_compiling():
+        from . import compiled
 
-    Not compiled (`torch.compiler.disable`): the model around it is, and each streamed layer call is one graph
-    break. Its backward takes `torch.autograd.grad` of each recomputed chunk, which no compiled graph can hold, and
-    its forward stops the layer at the cache by raising; traced, dynamo fell back to eager in parts of the layer
-    anyway, with more breaks (11 against 5 on a 2-layer Llama at 2K tokens) and a slower step (docs/limits.md)."""
+        out = compiled.traced_call(layer, args, kwargs)
+        if out is not None:
+            return out
+    return _eager_forward(forward, layer, *args, **kwargs)
+
+
+def prepared_call(forward, layer, args, kwargs):
+    """(the `StreamedCall` of this call, its hidden states), after the checks of a streamed call."""
     signature = inspect.signature(forward)
     bound = signature.bind(layer, *args, **kwargs)
     arguments = dict(bound.arguments)
@@ -500,11 +506,27 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     collector = router.model_collector()
     check_captured_outputs(layer, collector)
     streamed = StreamedCall(forward, layer, arguments, cache_name, records_router_logits=router.recording(collector))
+    streamed.query_projection = discardable_query_projection(layer.self_attn)
+    streamed.recorded_projections = RecordedProjections(
+        recordable_projections(layer.self_attn, skipped=streamed.query_projection)
+    )
+    return streamed, hidden_states
+
+
+@torch.compiler.disable(reason="streaming_backward_chunk: a streamed layer runs eagerly inside a compiled model")
+def _eager_forward(forward, layer, *args, **kwargs):
+    """The streamed call run eagerly; under torch.compile where compiled.py's operator does not apply (one graph
+    break). Dynamo cannot trace it: the backward takes `torch.autograd.grad` of each recomputed chunk, and the forward
+    stops the layer at the cache by raising; traced, dynamo fell back to eager in parts of the layer with more breaks
+    (11 against 5 on a 2-layer Llama at 2K tokens) and a slower step (docs/limits.md)."""
+    streamed, hidden_states = prepared_call(forward, layer, args, kwargs)
     # The attention module is called (its hooks run); hooks other than output capturing may swap its weights
     # (FSDP2 `fully_shard` on it, accelerate): then ordinary autograd takes every gradient (the fallback).
     params = layer_parameters(layer)
     storage = input_storage(layer)
     if params is None:
+        streamed.query_projection, streamed.recorded_projections = None, RecordedProjections([])
+        # Under a wrapper's hooks every module runs as upstream's: no skipped query projection, no records.
         # ZeRO-3 leaf modules (MoE blocks) run once per chunk here; DeepSpeed reduces their weights once per call.
         with leaf_gradients_queued_once(layer):
             if storage is None:
@@ -512,12 +534,8 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
             on_accelerator = hidden_states.device.type != "cpu"
             with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
                 return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
-    streamed.query_projection = discardable_query_projection(layer.self_attn)
     if not (hidden_states.requires_grad or params):
         with torch.no_grad(), streamed.views_of_one_mask():
             outputs = streamed.run(hidden_states)[0]
         return router.hand_over(outputs if len(outputs) > 1 else outputs[0])
-    streamed.recorded_projections = RecordedProjections(
-        recordable_projections(layer.self_attn, skipped=streamed.query_projection)
-    )
     return router.hand_over(StreamedLayerFunction.apply(hidden_states, streamed, storage, *params))

@@ -1,0 +1,235 @@
+"""A streamed layer call as one operator of a compiled graph: `torch.compile` traces the model around it without a
+graph break (`fullgraph=True` trains).
+
+Dynamo cannot trace the streamed layer itself: its forward inspects the mask on the host and stops the layer at the
+cache by raising, its backward takes `torch.autograd.grad` of each recomputed chunk. So the layer's call is a
+`torch.library` custom operator (`transformers_mst::streamed_layer_v1`), opaque to the compiler, whose kernel runs the
+eager streamed forward (layer.py's `StreamedLayerFunction.forward`) and whose registered backward is a second
+operator (`transformers_mst::streamed_layer_backward_v1`) running its backward. The compiled graph saves the layer input
+and the tensors of the call (mask, position embeddings) for that backward, as checkpointing saves the input.
+
+What crosses the operator boundary: the hidden states, the call's other tensors, the layer's trainable parameters,
+an integer key naming the layer (`register_layers`, at model construction: a compiled graph cannot hold a module)
+and a string with the call's other arguments and the autocast state at trace time (a compiled graph has no autocast
+context at run time: the kernel enters it). Each forward leaves its host-side state (chunk plan, RNG states) for
+its backward under a token, a second (integer) output that the graph saves for that backward: two calls of one
+layer before their backward (two losses summed, say) keep their own states.
+
+A custom operator's kernel runs below autograd and autocast (their dispatch keys are excluded while it runs): the
+forward kernel re-enables autocast where the traced call was under it, the backward kernel autograd (its
+`torch.autograd.grad` calls; the streamed backward restores the forward's autocast state itself), by torch's
+dispatch-key guard (`torch._C._ForceDispatchKeyGuard`).
+
+Only where the whole call can cross: registered layer, plain parameters (no FSDP/ZeRO-3 views), no input offload, no
+router logits or other outputs recorded inside the layer, arguments that are tensors, tuples of tensors or
+constants; otherwise the call runs eagerly as before (one graph break: `layer.decoder_layer_forward`).
+"""
+
+import ast
+import contextlib
+import itertools
+import weakref
+
+import torch
+
+from ..mst_core.wrappers import is_plain_parameter
+from . import router
+from .offload import offload_requested
+
+
+_KEYS = itertools.count()
+_LAYERS = {}  # key -> (weak reference to the layer, the layer class's own forward)
+_TOKENS = itertools.count()
+_PENDING = {}  # token -> the state of a forward whose backward has not run yet
+
+
+def register_layers(model) -> None:
+    """Give each decoder layer of `model` a key the compiled operator can name it by (patch 0005 via
+    mst_core/model_checks.py, when `streaming_backward_chunk` is set)."""
+    from ..modeling_layers import GradientCheckpointingLayer
+
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and getattr(module, "_mst_streamed_key", None) is None:
+            # The class's forward as upstream's wrapper received it (modeling_layers: `wraps(forward)`).
+            forward = getattr(type(module).forward, "__wrapped__", None)
+            if forward is None:
+                continue
+            key = next(_KEYS)
+            module._mst_streamed_key = key
+            _LAYERS[key] = (weakref.ref(module), forward)
+
+
+def _encode(kwargs, device_type):
+    """(tensors, text): the call's keyword arguments as a list of tensors and a text for the rest, or None where one
+    cannot cross the operator boundary."""
+    tensors, parts = [], []
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{name}=t{len(tensors)}")
+            tensors.append(value)
+        elif isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+            parts.append(f"{name}=u{len(tensors)},{len(value)}")
+            tensors.extend(value)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            parts.append(f"{name}=c{value!r}")
+        else:
+            return None
+    for dev in dict.fromkeys([device_type, "cpu"]):
+        if torch.is_autocast_enabled(dev):
+            parts.append(f"@autocast={dev},{str(torch.get_autocast_dtype(dev)).removeprefix('torch.')}")
+    return tensors, ";".join(parts)
+
+
+def _decode(text, tensors):
+    """The keyword arguments and the autocast states [(device type, dtype)] that `_encode` wrote."""
+    kwargs, autocast = {}, []
+    for part in filter(None, text.split(";")):
+        name, spec = part.split("=", 1)
+        if name == "@autocast":
+            dev, dtype = spec.split(",")
+            autocast.append((dev, getattr(torch, dtype)))
+        elif spec[0] == "t":
+            kwargs[name] = tensors[int(spec[1:])]
+        elif spec[0] == "u":
+            first, count = map(int, spec[1:].split(","))
+            kwargs[name] = tuple(tensors[first : first + count])
+        else:
+            kwargs[name] = ast.literal_eval(spec[1:])
+    return kwargs, autocast
+
+
+_AUTOCAST_KEYS = [key for key in ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastMPS") if hasattr(torch._C.DispatchKey, key)]
+
+
+@contextlib.contextmanager
+def _autocast_in_kernel(autocast):
+    """The autocast contexts the traced call was under, inside a custom operator's kernel, which runs with the
+    autocast dispatch keys excluded in thread-local state (nothing changes where there were none)."""
+    if not autocast:
+        yield
+        return
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for name in _AUTOCAST_KEYS:
+        exclude = exclude.remove(getattr(torch._C.DispatchKey, name))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude))
+        for dev, dtype in autocast:
+            stack.enter_context(torch.autocast(dev, dtype=dtype))
+        yield
+
+
+@contextlib.contextmanager
+def _autograd_in_kernel():
+    """Autograd (and autocast, which the streamed backward restores itself) inside the backward operator's kernel: it
+    runs below autograd, with the autograd and autocast dispatch keys excluded and ADInplaceOrView included in
+    thread-local state, as a custom operator's kernel does; the streamed backward needs `torch.autograd.grad`."""
+    keys = torch._C.DispatchKey
+    include = torch._C._dispatch_tls_local_include_set()
+    if include.has(keys.ADInplaceOrView):
+        include = include.remove(keys.ADInplaceOrView)
+    with torch._C._ForceDispatchKeyGuard(include, torch._C.DispatchKeySet(keys.Undefined)):
+        yield
+
+
+class _State:
+    """What `StreamedLayerFunction` keeps on its ctx between forward and backward."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+# The operators' names carry their schema's version: inductor's on-disk cache of compiled graphs calls operators by
+# name, so a graph compiled against another schema must not find these. Bump it with any schema change.
+@torch.library.custom_op(
+    "transformers_mst::streamed_layer_v1", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def streamed_layer(
+    hidden: torch.Tensor, tensors: list[torch.Tensor], params: list[torch.Tensor], key: int, text: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the layer's output, a token naming this call's state for its backward)."""
+    from .layer import StreamedLayerFunction, prepared_call
+
+    layer_ref, forward = _LAYERS[key]
+    layer = layer_ref()
+    kwargs, autocast = _decode(text, tensors)
+    with _autocast_in_kernel(autocast):
+        streamed, _ = prepared_call(forward, layer, (hidden,), kwargs)
+        state = _State()
+        state.needs_input_grad = (True, False, False) + (True,) * len(params)
+        with torch.no_grad():
+            out = StreamedLayerFunction.forward(state, hidden, streamed, None, *params)
+    # The tensors come back with the backward (saved by the compiled graph): keep only host-side state here.
+    state.saved_tensors, state.params = None, None
+    streamed.mask, streamed.arguments = None, {}
+    token = next(_TOKENS)
+    _PENDING[token] = state
+    return out, torch.tensor(token, dtype=torch.int64)
+
+
+@streamed_layer.register_fake
+def _(hidden, tensors, params, key, text):
+    return torch.empty_like(hidden), torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("transformers_mst::streamed_layer_backward_v1", mutates_args=())
+def streamed_layer_backward(
+    grad: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor, tensors: list[torch.Tensor],
+    params: list[torch.Tensor], text: str,
+) -> list[torch.Tensor]:
+    from .layer import StreamedLayerFunction
+
+    state = _PENDING.pop(int(token))
+    kwargs, _ = _decode(text, tensors)
+    streamed = state.streamed
+    streamed.mask = kwargs.pop("attention_mask", None)
+    streamed.arguments = {name: value for name, value in kwargs.items() if name not in ("cache", "past_key_values")}
+    state.saved_tensors, state.params = (hidden,), tuple(params)
+    with _autograd_in_kernel():
+        grads = StreamedLayerFunction.backward(state, grad)
+    return [grads[0], *grads[3:]]
+
+
+@streamed_layer_backward.register_fake
+def _(grad, token, hidden, tensors, params, text):
+    return [torch.empty_like(hidden), *(torch.empty_like(p) for p in params)]
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, tensors, params, key, text = inputs
+    ctx.text, ctx.count = text, len(tensors)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1], hidden, *tensors, *params)
+
+
+def _backward(ctx, grad, grad_token):
+    token, hidden, *rest = ctx.saved_tensors
+    tensors, params = rest[: ctx.count], rest[ctx.count :]
+    grads = streamed_layer_backward(grad, token, hidden, tensors, params, ctx.text)
+    return grads[0], [None] * ctx.count, list(grads[1:]), None, None
+
+
+streamed_layer.register_autograd(_backward, setup_context=_setup_context)
+
+
+def traced_call(layer, args, kwargs):
+    """While dynamo traces: the streamed layer's output as one `streamed_layer` operator in the graph, or None where
+    the call cannot cross (see the module's docstring; the caller then runs it eagerly)."""
+    key = getattr(layer, "_mst_streamed_key", None)
+    if key is None or len(args) > 1 or offload_requested(layer):
+        return None
+    kwargs = dict(kwargs)
+    hidden = args[0] if args else kwargs.pop("hidden_states", None)
+    if not isinstance(hidden, torch.Tensor):
+        return None
+    collector = router.model_collector()
+    if collector:  # outputs recorded inside the layer (router logits, attentions): the eager call handles them
+        return None
+    params = [p for p in layer.parameters() if p.requires_grad]
+    # Nothing to differentiate: the eager call runs without graph (no backward would take the operator's state).
+    if not (hidden.requires_grad or params) or not all(is_plain_parameter(p) for p in params):
+        return None
+    encoded = _encode(kwargs, hidden.device.type)
+    if encoded is None:
+        return None
+    tensors, text = encoded
+    return streamed_layer(hidden, tensors, params, key, text)[0]
