@@ -70,7 +70,7 @@ def _encode(kwargs, device_type):
         elif isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
             parts.append(f"{name}=u{len(tensors)},{len(value)}")
             tensors.extend(value)
-        elif value is None or isinstance(value, (bool, int, float, str)):
+        elif value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and ";" not in value):
             parts.append(f"{name}=c{value!r}")
         else:
             return None
@@ -98,7 +98,9 @@ def _decode(text, tensors):
     return kwargs, autocast
 
 
-_AUTOCAST_KEYS = [key for key in ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastMPS") if hasattr(torch._C.DispatchKey, key)]
+_AUTOCAST_KEYS = [
+    key for key in ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastMPS") if hasattr(torch._C.DispatchKey, key)
+]
 
 
 @contextlib.contextmanager
@@ -160,6 +162,7 @@ def streamed_layer(
             out = StreamedLayerFunction.forward(state, hidden, streamed, None, *params)
     # The tensors come back with the backward (saved by the compiled graph): keep only host-side state here.
     state.saved_tensors, state.params = None, None
+    state.argument_names = list(streamed.arguments)  # the call's arguments the chunks get (flash ones taken out)
     streamed.mask, streamed.arguments = None, {}
     token = next(_TOKENS)
     _PENDING[token] = state
@@ -182,7 +185,7 @@ def streamed_layer_backward(
     kwargs, _ = _decode(text, tensors)
     streamed = state.streamed
     streamed.mask = kwargs.pop("attention_mask", None)
-    streamed.arguments = {name: value for name, value in kwargs.items() if name not in ("cache", "past_key_values")}
+    streamed.arguments = {name: kwargs[name] for name in state.argument_names}
     state.saved_tensors, state.params = (hidden,), tuple(params)
     with _autograd_in_kernel():
         grads = StreamedLayerFunction.backward(state, grad)
@@ -215,7 +218,7 @@ def traced_call(layer, args, kwargs):
     """While dynamo traces: the streamed layer's output as one `streamed_layer` operator in the graph, or None where
     the call cannot cross (see the module's docstring; the caller then runs it eagerly)."""
     key = getattr(layer, "_mst_streamed_key", None)
-    if key is None or len(args) > 1 or offload_requested(layer):
+    if key is None or len(args) > 1 or offload_requested(layer) or not hasattr(torch._C, "_ForceDispatchKeyGuard"):
         return None
     kwargs = dict(kwargs)
     hidden = args[0] if args else kwargs.pop("hidden_states", None)
