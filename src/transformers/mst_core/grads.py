@@ -65,7 +65,8 @@ def add_product_fp32(acc, a, b):
     precision: one fp32-output GEMM where the backend has one (CUDA), else GEMMs of fp32 copies (exact: a product of
     two half-precision numbers fits in fp32) written into ``acc`` in place, an eighth of the inner dimension at a
     time, so the copies stay small next to ``acc`` (the operands of one vocabulary slice: mini_sequence/loss.py).
-    On this path (CPU, d=256) the vocabulary-sliced loss took 2.2x the accumulating one's time."""
+    A half-precision product rounded per slice instead raised the hidden-state gradient's error to 1.33x upstream's
+    (8 slices, measured); these fp32 products cost time on a CPU (docs/limits.md)."""
     if _fp32_out_addmm(acc, a, b):
         return
     step = -(-a.shape[1] // _WEIGHT_GRAD_SLICES)
