@@ -161,6 +161,29 @@ def test_streaming_compiled_two_calls_before_one_backward():
     assert_same_step(compiled, ref)
 
 
+def test_streaming_compiled_deepcopy_runs_its_own_layers():
+    """`copy.deepcopy` copies a layer's key with its attributes; the copy's calls must run the copy's layers (with
+    its own, here changed, weights), not the registered original's: they take the eager call, exact."""
+    import copy
+
+    original = make_model("llama", seed=1, attn_implementation="sdpa", use_cache=False, streaming_backward_chunk=48)
+    twin = copy.deepcopy(original).train()
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.1)
+    reference = make_model("llama", seed=1, attn_implementation="sdpa", use_cache=False).train()
+    reference.load_state_dict(twin.state_dict())
+    ref_loss = loss_of(reference, *batch())
+    ref_loss.backward()
+    torch._dynamo.reset()
+    loss = torch.compile(loss_of)(twin, *batch())
+    loss.backward()
+    assert_same_step(
+        (loss.detach(), {n: p.grad for n, p in twin.named_parameters()}),
+        (ref_loss.detach(), {n: p.grad for n, p in reference.named_parameters()}),
+    )
+
+
 def test_streaming_under_compile_falls_back_to_eager_call():
     """A call the operator cannot take (here: a model whose field was set after construction, so its layers have no
     key) runs eagerly, one graph break per call, still exact."""

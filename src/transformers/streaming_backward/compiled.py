@@ -20,7 +20,7 @@ forward kernel re-enables autocast where the traced call was under it, the backw
 `torch.autograd.grad` calls; the streamed backward restores the forward's autocast state itself), by torch's
 dispatch-key guard (`torch._C._ForceDispatchKeyGuard`).
 
-Only where the whole call can cross: registered layer, plain parameters (no FSDP/ZeRO-3 views), no input offload, no
+Only where the whole call can cross: a registered layer (not a deep copy of one), plain parameters (no FSDP/ZeRO-3 views), no input offload, no
 router logits or other outputs recorded inside the layer, arguments that are tensors, tuples of tensors or
 constants; otherwise the call runs eagerly as before (one graph break: `layer.decoder_layer_forward`).
 """
@@ -219,6 +219,8 @@ def traced_call(layer, args, kwargs):
     the call cannot cross (see the module's docstring; the caller then runs it eagerly)."""
     key = getattr(layer, "_mst_streamed_key", None)
     if key is None or len(args) > 1 or offload_requested(layer) or not hasattr(torch._C, "_ForceDispatchKeyGuard"):
+        return None
+    if _LAYERS[key][0]() is not layer:  # a copy of a registered layer (copy.deepcopy copies its key)
         return None
     kwargs = dict(kwargs)
     hidden = args[0] if args else kwargs.pop("hidden_states", None)
