@@ -48,6 +48,11 @@ def validate_fields(config) -> None:
     validate_adjoint_sharding(getattr(config, ADJOINT_CHUNK_FIELD, None), getattr(config, ADJOINT_TRUNCATION_FIELD, None))
 
 
+# Called with each model `check_model` sees, after its checks: packages above mst_core add theirs here (mst_core
+# imports none of them), e.g. streaming_backward/__init__.py names the decoder layers for a compiled graph.
+CONSTRUCTION_HOOKS = []
+
+
 def check_model(model) -> None:
     """Validate every field of ours on `model.config`; warn once per model type for each field it would ignore.
 
@@ -60,10 +65,8 @@ def check_model(model) -> None:
     validate_fields(config)
     if any(getattr(config, field, None) is not None for field in CONFIG_FIELDS):
         model.register_forward_pre_hook(check_forwards_at_first_training_step)
-    if getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, STREAMING_FIELD, None) is not None:
-        from ..streaming_backward import compiled
-
-        compiled.register_layers(model)  # names for its layers in a compiled graph
+    for hook in CONSTRUCTION_HOOKS:
+        hook(model)
     for field, model_types in FIELD_MODEL_TYPES.items():
         value = getattr(config, field, None)
         if value is not None and model_type not in model_types:

@@ -9,7 +9,21 @@ of the graph (compiled.py). The
 model types it streams are the registry's (mst_core/families.py).
 """
 
+from ..mst_core.fields import STREAMING_FIELD
+from ..mst_core.model_checks import CONSTRUCTION_HOOKS
 from .layer import applies, decoder_layer_forward
+
+
+def _name_layers_for_compile(model) -> None:
+    """At model construction, with the field set: keys for the decoder layers (compiled.py's operator)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, STREAMING_FIELD, None) is not None:
+        from . import compiled
+
+        compiled.register_layers(model)
+
+
+CONSTRUCTION_HOOKS.append(_name_layers_for_compile)
 
 
 __all__ = ["applies", "decoder_layer_forward"]

@@ -44,8 +44,8 @@ _PENDING = {}  # token -> the state of a forward whose backward has not run yet
 
 
 def register_layers(model) -> None:
-    """Give each decoder layer of `model` a key the compiled operator can name it by (patch 0005 via
-    mst_core/model_checks.py, when `streaming_backward_chunk` is set)."""
+    """Give each decoder layer of `model` a key the compiled operator can name it by (at model construction, when
+    `streaming_backward_chunk` is set: streaming_backward/__init__.py, via mst_core/model_checks.py)."""
     from ..modeling_layers import GradientCheckpointingLayer
 
     for module in model.modules():
