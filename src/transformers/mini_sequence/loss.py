@@ -123,14 +123,15 @@ def _chunk_loss_sum(lm_head, hidden_chunk, labels_chunk, softcap, ignore_index, 
 _ROW_BLOCKS_PER_CHUNK = 8
 
 
-def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_out):
+def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_out, lse_out=None):
     """fp32 sum of the token losses of ``logits`` [C, V] (upstream: ``F.cross_entropy(logits.float(),
     labels, reduction="sum")``), and ``grad_scale`` times its gradient written into ``grad_out``
     (shape and dtype of ``logits``; may be ``logits`` itself: each block of rows is read before it
     is written). The gradient is computed as upstream's backward does, in fp32 from the fp32
     log-probabilities: ``exp(log_probs) * scale``, minus ``scale`` at the target, zero on ignored
     tokens; then rounded once to the logits' dtype. A few rows at a time, so the fp32 buffers are
-    small. With ``grad_out=None`` only the sum is computed."""
+    small. With ``grad_out=None`` only the sum is computed. ``lse_out`` [C]: each row's fp32 log-sum-exp is written
+    there (the log-probabilities are then the fp32 logits minus it)."""
     labels = labels.to(logits.device)
     rows = max(1, -(-logits.shape[0] // _ROW_BLOCKS_PER_CHUNK))
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
@@ -139,7 +140,12 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
         target = labels[start:end]
         valid = target != ignore_index
         safe_target = torch.where(valid, target, 0).unsqueeze(1)
-        log_probs = F.log_softmax(logits[start:end], dim=-1, dtype=torch.float32)
+        if lse_out is None:
+            log_probs = F.log_softmax(logits[start:end], dim=-1, dtype=torch.float32)
+        else:
+            log_probs = logits[start:end].float()
+            lse_out[start:end] = torch.logsumexp(log_probs, dim=-1)
+            log_probs.sub_(lse_out[start:end].unsqueeze(1))
         picked = log_probs.gather(1, safe_target).squeeze(1)
         total -= torch.where(valid, picked, 0.0).sum()
         if grad_out is None:
@@ -301,24 +307,6 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
         return (grad_hidden, None, None, None, None, None, None, None, *param_grads)
 
 
-def _cross_entropy_sum_and_lse(logits, labels, ignore_index, lse_out):
-    """fp32 sum of the token losses of ``logits`` [C, V] (as `_cross_entropy_sum_and_grad`), and each row's fp32
-    log-sum-exp written into ``lse_out`` [C], a few rows at a time."""
-    labels = labels.to(logits.device)
-    rows = max(1, -(-logits.shape[0] // _ROW_BLOCKS_PER_CHUNK))
-    total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    for start in range(0, logits.shape[0], rows):
-        end = min(start + rows, logits.shape[0])
-        target = labels[start:end]
-        valid = target != ignore_index
-        block = logits[start:end].float()
-        lse_out[start:end] = torch.logsumexp(block, dim=-1)
-        picked = block.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1) - lse_out[start:end]
-        total -= torch.where(valid, picked, 0.0).sum()
-        del block
-    return total
-
-
 # The vocabulary slices of `_VocabSlicedLMLossFunction`'s backward: at least this many ...
 _VOCAB_SLICES_MIN = 8
 # ... and none of more rows than this (a slice's fp32 weight-gradient sum: 128 MiB at d = 4096).
@@ -366,7 +354,7 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             logits = _apply_softcap(lm_head(hidden[start:end]), softcap)
-            total += _cross_entropy_sum_and_lse(logits, labels[start:end], ignore_index, lse[start:end])
+            total += _cross_entropy_sum_and_grad(logits, labels[start:end], ignore_index, None, None, lse[start:end])
             del logits
         divisor = divisor.to(hidden.device)
         ctx.save_for_backward(hidden, labels, lse, divisor)

@@ -149,13 +149,14 @@ def streamed_layer(
     hidden: torch.Tensor, tensors: list[torch.Tensor], params: list[torch.Tensor], key: int, text: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the layer's output, a token naming this call's state for its backward)."""
-    from .layer import StreamedLayerFunction, prepared_call
+    from .layer import StreamedLayerFunction, prepared_call, skip_and_record_projections
 
     layer_ref, forward = _LAYERS[key]
     layer = layer_ref()
     kwargs, autocast = _decode(text, tensors)
     with _autocast_in_kernel(autocast):
         streamed, _ = prepared_call(forward, layer, (hidden,), kwargs)
+        skip_and_record_projections(streamed, layer)
         state = _State()
         state.needs_input_grad = (True, False, False) + (True,) * len(params)
         with torch.no_grad():

@@ -144,7 +144,8 @@ class StreamedCall:
         self.use_offset_masks = self.mask is None and not self.flash and self.device.type == "cpu"
         self.taking_views = False  # inside `views_of_one_mask`
         # The query projection a pass stopping at the cache skips (cache.queries_not_computed); set by
-        # prepared_call, unset on the wrappers' path (under a wrapper's hooks every module runs as upstream's).
+        # skip_and_record_projections on the Function's path only (under a wrapper's hooks every module runs as
+        # upstream's).
         self.query_projection = None
         # The projections before the cache whose outputs the backward's K/V pass records for each chunk's recompute
         # (projections.py); set with `query_projection` (none recorded by default).
@@ -506,11 +507,16 @@ def prepared_call(forward, layer, args, kwargs):
     collector = router.model_collector()
     check_captured_outputs(layer, collector)
     streamed = StreamedCall(forward, layer, arguments, cache_name, records_router_logits=router.recording(collector))
+    return streamed, hidden_states
+
+
+def skip_and_record_projections(streamed, layer):
+    """On the Function's path (not under a wrapper's hooks, where every module runs as upstream's): the query
+    projection the K/V passes skip and the projections whose outputs they record (cache.py, projections.py)."""
     streamed.query_projection = discardable_query_projection(layer.self_attn)
     streamed.recorded_projections = RecordedProjections(
         recordable_projections(layer.self_attn, skipped=streamed.query_projection)
     )
-    return streamed, hidden_states
 
 
 @torch.compiler.disable(reason="streaming_backward_chunk: a streamed layer runs eagerly inside a compiled model")
@@ -525,8 +531,6 @@ def _eager_forward(forward, layer, *args, **kwargs):
     params = layer_parameters(layer)
     storage = input_storage(layer)
     if params is None:
-        streamed.query_projection, streamed.recorded_projections = None, RecordedProjections([])
-        # Under a wrapper's hooks every module runs as upstream's: no skipped query projection, no records.
         # ZeRO-3 leaf modules (MoE blocks) run once per chunk here; DeepSpeed reduces their weights once per call.
         with leaf_gradients_queued_once(layer):
             if storage is None:
@@ -534,6 +538,7 @@ def _eager_forward(forward, layer, *args, **kwargs):
             on_accelerator = hidden_states.device.type != "cpu"
             with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
                 return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
+    skip_and_record_projections(streamed, layer)
     if not (hidden_states.requires_grad or params):
         with torch.no_grad(), streamed.views_of_one_mask():
             outputs = streamed.run(hidden_states)[0]
