@@ -48,10 +48,14 @@ METHODS = {
     "mini_sequence+streaming+offload": ("auto", True, "auto", True, False),
     "checkpointing+compile": (None, True, None, False, True),
     "mini_sequence+checkpointing+compile": ("auto", True, None, False, True),
+    # the streamed layer as one custom operator in the compiled graph (streaming_backward/compiled.py)
+    "streaming+compile": (None, False, "auto", False, True),
+    "mini_sequence+streaming+compile": ("auto", False, "auto", False, True),
 }
 # The planner's method for each measured one (it plans no compiled step: same tensors, other kernels).
 PLANNED_AS = {"mini_sequence+streaming+offload": "mini_sequence+streaming", "checkpointing+compile": "checkpointing",
-              "mini_sequence+checkpointing+compile": "mini_sequence+checkpointing"}
+              "mini_sequence+checkpointing+compile": "mini_sequence+checkpointing", "streaming+compile": "streaming",
+              "mini_sequence+streaming+compile": "mini_sequence+streaming"}
 MODELS = {
     # Llama-3.2-1B's public config.json shapes (tied embeddings).
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -208,6 +212,11 @@ def train_steps(model_name, method, seq, device, repeats):
     ids = torch.randint(0, MODELS[model_name]["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
     ids = ids.to(device)
     times, losses = [], []
+    compiled = METHODS[method][4]
+    if compiled:
+        from torch._dynamo.utils import counters
+
+        counters.clear()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -229,8 +238,11 @@ def train_steps(model_name, method, seq, device, repeats):
         del model, optimizer
         if device == "cuda":
             torch.cuda.empty_cache()
-    return {"method": method, "seq": seq, "oom": False, "peak_bytes": peak,
-            "step_seconds": statistics.median(times[1:]), "first_loss": losses[0]}
+    row = {"method": method, "seq": seq, "oom": False, "peak_bytes": peak,
+           "step_seconds": statistics.median(times[1:]), "first_loss": losses[0]}
+    if compiled:  # graph breaks over the whole run (the warm-up step compiles; later steps reuse)
+        row["graph_breaks"] = sum(counters["graph_break"].values())
+    return row
 
 
 def profile_step(model_name, method, seq, device, rows=25):
@@ -292,7 +304,8 @@ def print_row(row):
     peak, plan = row["peak_bytes"], row.get("planner_peak_bytes")
     print(f"S={row['seq']:6d} {row['method']:36s} peak {peak / 2**30 if peak else float('nan'):7.2f} GiB  "
           f"planner {plan / 2**30 if plan else float('nan'):7.2f} GiB  "
-          f"step {row['step_seconds']:.3f} s  loss {row['first_loss']:.4f}", flush=True)
+          f"step {row['step_seconds']:.3f} s  loss {row['first_loss']:.4f}"
+          + (f"  graph breaks {row['graph_breaks']}" if "graph_breaks" in row else ""), flush=True)
 
 
 def main(argv=None):

@@ -674,17 +674,19 @@ def test_loss_vocab_sliced_as_accurate_as_upstream(loss_backends, dtype, softcap
 
 
 def test_loss_vocab_sliced_fp32_out_gemms(loss_backends, monkeypatch):
-    # Where the backend has an fp32-output GEMM (CUDA), both products of each (slice, chunk) are one such GEMM of the
-    # half-precision operands: the weight's [slice, chunk] x [chunk, d], the hidden states' [chunk, slice] x [slice, d].
+    # Where the backend has an fp32-output GEMM (CUDA), the hidden states' gradient of each vocabulary slice is one
+    # such GEMM of the half-precision operands, [N, slice] x [slice, d], over all tokens at once; the slice's weight
+    # gradient is one half-precision GEMM over all tokens (its fp32 sum is inside the GEMM, as upstream's).
     calls = fp32_out_addmm_stand_in(monkeypatch)
     head, hidden, labels = sliced_case(47)
     up_grads = torch.autograd.grad(big_vocab_loss(hidden, head, labels), [hidden, head.weight])
     got = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=100, vocab_size=V_BIG)
     got_grads = torch.autograd.grad(got, [hidden, head.weight])
     assert_only_backend(loss_backends, "sliced")
-    rows = ms_loss._vocab_slice_rows(V_BIG)
-    per_slice = [((rows, 100), torch.bfloat16), ((100, rows), torch.bfloat16)] * 3
-    assert rows == 125 and calls == per_slice * (V_BIG // rows)
+    tokens = hidden.shape[0] * hidden.shape[1]
+    rows = ms_loss._vocab_slice_rows(V_BIG, tokens, 100)
+    assert rows == 384  # 1000 * 100 / 300 tokens = 334, rounded up to a multiple of 128
+    assert calls == [((tokens, rows), torch.bfloat16)] * 2 + [((tokens, V_BIG - 2 * rows), torch.bfloat16)]
     head64 = as_fp64(head)
     hidden64 = hidden.detach().double().requires_grad_()
     ref_grads = torch.autograd.grad(big_vocab_loss(hidden64, head64, labels), [hidden64, head64.weight])
@@ -729,8 +731,7 @@ def test_loss_vocab_sliced_divisors_and_incoming_gradient(loss_backends):
 def test_loss_vocab_sliced_only_where_it_holds_less(loss_backends):
     pays = ms_loss._vocab_sliced_backward_pays
     head = nn.Linear(D, V_BIG, bias=False).bfloat16()
-    rows = ms_loss._vocab_slice_rows(V_BIG)
-    short, long = torch.zeros(V_BIG - rows - 1, D).bfloat16(), torch.zeros(V_BIG - rows, D).bfloat16()
+    short, long = torch.zeros(V_BIG - 1, D).bfloat16(), torch.zeros(V_BIG, D).bfloat16()
     assert pays(head, short, [head.weight], V_BIG)
     assert not pays(head, long, [head.weight], V_BIG)  # its [N, d] fp32 sum is no smaller than the [V, d] one
     assert not pays(head, short, [], V_BIG)  # frozen head: no [V, d] sum to avoid
@@ -740,9 +741,11 @@ def test_loss_vocab_sliced_only_where_it_holds_less(loss_backends):
     assert not pays(fp32, short.float(), [fp32.weight], V_BIG)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not pays(head, short, [head.weight], V_BIG)
-    # The slices: at least 8, of at most 8192 rows.
-    assert ms_loss._vocab_slice_rows(32000) == 4000 and ms_loss._vocab_slice_rows(262144) == 8192
-    assert ms_loss._vocab_slice_rows(151936) == 7997  # 19 slices
+    # A slice's [N, rows] logits: as many elements as a forward chunk's [C, V], rows a multiple of 128, at most V.
+    assert ms_loss._vocab_slice_rows(32000, 8192, 1024) == 4096
+    assert ms_loss._vocab_slice_rows(151936, 8192, 1024) == 19072  # 18992 rounded up
+    assert ms_loss._vocab_slice_rows(262144, 32768, 1024) == 8192
+    assert ms_loss._vocab_slice_rows(128256, 1000, 1024) == 128256  # one chunk: one slice
     # A token count at or above the vocabulary keeps the accumulating Function.
     head, hidden, labels = sliced_case(49, seq=V_BIG // 2)
     loss = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=128, vocab_size=V_BIG)

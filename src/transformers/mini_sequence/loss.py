@@ -71,9 +71,9 @@ calls the module itself.
 Except one case (since 5.24.0+mst.19): a plain half-precision ``nn.Linear`` head whose weight trains, with fewer
 tokens than vocabulary rows (``_vocab_sliced_backward_pays``). There the fp32 [V, d] weight-gradient sum is the
 largest thing the loss holds (for a 262K vocabulary at d = 4096: 4 GiB, against 2 GiB for DeepSpeed ALST's bf16
-``W.grad``), and ``_VocabSlicedLMLossFunction`` does without it: its backward walks the vocabulary in slices and
-holds fp32 sums of [N, d] + [V / slices, d] instead, for one more logits GEMM (4 [N, d] x [d, V]-sized GEMMs a
-step instead of 3, as ALST's tiled loss). docs/measurements.md has its peaks and times against the anchors.
+``W.grad``), and ``_VocabSlicedLMLossFunction`` does without it: its backward walks the vocabulary in slices, each
+slice's products one GEMM over all tokens, and holds an fp32 [N, d] sum instead, for one more logits GEMM (4
+[N, d] x [d, V]-sized GEMMs a step instead of 3, as ALST's tiled loss). docs/measurements.md has its peaks and times against the anchors.
 """
 
 import torch
@@ -307,28 +307,29 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
         return (grad_hidden, None, None, None, None, None, None, None, *param_grads)
 
 
-# The vocabulary slices of `_VocabSlicedLMLossFunction`'s backward: at least this many ...
-_VOCAB_SLICES_MIN = 8
-# ... and none of more rows than this (a slice's fp32 weight-gradient sum: 128 MiB at d = 4096).
-_VOCAB_SLICE_MAX_ROWS = 8192
+# Rows of a vocabulary slice of `_VocabSlicedLMLossFunction`'s backward are a multiple of this (GEMM tiles; V=151936
+# in 8192-row slices of 7997 rows ran 4.5x slower than ALST on an H100: docs/cuda/README.md).
+_VOCAB_SLICE_ALIGN = 128
 
 
-def _vocab_slice_rows(vocab_size: int) -> int:
-    slices = max(_VOCAB_SLICES_MIN, -(-vocab_size // _VOCAB_SLICE_MAX_ROWS))
-    return -(-vocab_size // slices)
+def _vocab_slice_rows(vocab_size: int, tokens: int, chunk_size: int) -> int:
+    """Vocabulary rows per slice of `_VocabSlicedLMLossFunction`'s backward: a slice's [tokens, rows] logits hold as
+    many elements as one chunk's [chunk_size, vocab_size] logits in the forward (rounded up to `_VOCAB_SLICE_ALIGN`)."""
+    rows = -(-vocab_size * min(chunk_size, tokens) // max(tokens, 1))
+    return min(vocab_size, -(-rows // _VOCAB_SLICE_ALIGN) * _VOCAB_SLICE_ALIGN)
 
 
 def _vocab_sliced_backward_pays(lm_head, hidden, params, vocab_size) -> bool:
     """Whether `_VocabSlicedLMLossFunction` applies to ``lm_head`` and holds less than `_MiniSequenceLMLossFunction`:
     a plain half-precision ``nn.Linear`` head whose weight is the only parameter that wants a gradient (a trainable
-    bias or LoRA head: no), ``hidden`` [N, d] in its dtype, and fewer tokens than vocabulary rows: its fp32 sums, the
-    hidden states' gradient [N, d] and one slice's weight gradient, are then smaller than the [V, d] one."""
+    bias or LoRA head: no), ``hidden`` [N, d] in its dtype, and fewer tokens than vocabulary rows: its fp32 sum, the
+    hidden states' gradient [N, d], is then smaller than the other Function's [V, d] one."""
     weight = _manual_weight(lm_head, params, hidden.device.type)
     if weight is None or len(params) != 1 or weight.dtype not in (torch.float16, torch.bfloat16):
         return False
     if hidden.dtype != weight.dtype or weight.shape[0] != vocab_size or weight.device != hidden.device:
         return False
-    return hidden.shape[0] + _vocab_slice_rows(vocab_size) < vocab_size
+    return hidden.shape[0] < vocab_size
 
 
 class _VocabSlicedLMLossFunction(torch.autograd.Function):
@@ -336,13 +337,14 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
     weight-gradient sum (`_vocab_sliced_backward_pays` says when).
 
     Forward (no graph): ``lm_head(chunk)`` chunk by chunk, the fp32 loss sum and each token's fp32 log-sum-exp
-    (saved: [N] floats). Backward: the vocabulary in slices; for each slice every token chunk's logits of that slice
-    again, their gradient from the saved log-sum-exp (as upstream's cross-entropy backward computes it, in fp32, then
-    rounded once to the logits' dtype; through the soft-cap by autograd), and both products summed in fp32: the
-    slice's weight gradient (`add_linear_weight_grad`, as the other Function sums its [V, d] one; rounded once into
-    the returned gradient when the slice is done) and the hidden states' (`add_product_fp32`: no product rounded to
-    half precision, as the unsplit GEMM sums over the whole vocabulary; rounded once at the end). So the fp32 sums are [N, d] + [V / slices, d], not [V, d]: for a 262K
-    vocabulary at d = 4096 in bf16, 0.5 GiB at 32K tokens instead of 4 GiB. The price: the logits are computed
+    (saved: [N] floats). Backward: the vocabulary in slices (`_vocab_slice_rows`: a slice's [N, rows] logits are as
+    large as a forward chunk's [C, V]); for each slice, every token's logits of that slice again (one GEMM), their
+    gradient from the saved log-sum-exp (as upstream's cross-entropy backward computes it, in fp32 a block of rows at
+    a time, then rounded once to the logits' dtype; through the soft-cap by autograd), then the slice's weight
+    gradient as one GEMM over all tokens (rounded once, as upstream's single GEMM rounds it) and the hidden states'
+    gradient summed over the slices in fp32 (`add_product_fp32`: no product rounded to half precision, as the unsplit
+    GEMM sums over the whole vocabulary; rounded once at the end). So the only fp32 sum is [N, d], not [V, d]: for a
+    262K vocabulary at d = 4096 in bf16, 0.5 GiB at 32K tokens instead of 4 GiB. The price: the logits are computed
     twice (forward and backward), one more [N, d] x [d, V] GEMM than the other Function, as DeepSpeed ALST's tiled
     loss does (arXiv 2506.13996). The head's weight and bias are read by slice as ``nn.Linear.forward`` reads them
     (``F.linear``): only a module of exactly that class comes here."""
@@ -365,7 +367,8 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
     def backward(ctx, grad_total):
         refuse_create_graph("mini-sequence LM-head loss")
         hidden, labels, lse, divisor = ctx.saved_tensors
-        lm_head, softcap, chunk_size = ctx.lm_head, ctx.softcap, ctx.chunk_size
+        hidden = hidden.detach()
+        lm_head, softcap = ctx.lm_head, ctx.softcap
         weight, bias = lm_head.weight.detach(), lm_head.bias
         # d(loss) / d(each token's loss) in fp32, as upstream's division backward computes it; 0 for an ignored token
         # and for a divisor of 0 (see `divide_loss_sum`).
@@ -376,33 +379,34 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
         needs_hidden = ctx.needs_input_grad[0]
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
         grad_weight = torch.empty_like(weight)
-        slice_rows = _vocab_slice_rows(weight.shape[0])
+        tokens = hidden.shape[0]
+        slice_rows = _vocab_slice_rows(weight.shape[0], tokens, ctx.chunk_size)
+        block = max(1, -(-tokens // _ROW_BLOCKS_PER_CHUNK))  # fp32 rows at a time: a quarter of the slice's bytes
         for first in range(0, weight.shape[0], slice_rows):
             last = min(first + slice_rows, weight.shape[0])
             weight_slice = weight[first:last]
             bias_slice = None if bias is None else bias.detach()[first:last]
-            slice_sum = torch.zeros(weight_slice.shape, dtype=torch.float32, device=weight.device)
-            for start in range(0, hidden.shape[0], chunk_size):
-                rows = slice(start, min(start + chunk_size, hidden.shape[0]))
-                hidden_rows = hidden[rows].detach()
-                logits = raw = F.linear(hidden_rows, weight_slice, bias_slice)
-                if softcap is not None:
-                    with torch.enable_grad():
-                        logits = _apply_softcap(raw.requires_grad_(), softcap)
-                grad = logits.detach().float().sub_(lse[rows].unsqueeze(1)).exp_().mul_(row_scale[rows])
+            logits = raw = F.linear(hidden, weight_slice, bias_slice)  # [N, rows]
+            if softcap is not None:
+                with torch.enable_grad():
+                    logits = _apply_softcap(raw.requires_grad_(), softcap)
+            # Without a soft-cap the gradient overwrites the logits (each block is read before it is written).
+            grad = raw if softcap is None else torch.empty_like(raw)
+            for start in range(0, tokens, block):
+                rows = slice(start, start + block)
+                part = logits[rows].detach().float().sub_(lse[rows].unsqueeze(1)).exp_().mul_(row_scale[rows])
                 in_slice = (target[rows] >= first) & (target[rows] < last)
                 column = torch.where(in_slice, target[rows] - first, 0).unsqueeze(1)
-                grad.scatter_add_(1, column, torch.where(in_slice.unsqueeze(1), -row_scale[rows], 0.0))
-                grad = grad.to(logits.dtype)
-                if softcap is not None:
-                    (grad,) = torch.autograd.grad(logits, raw, grad)
-                del raw, logits
-                add_linear_weight_grad(slice_sum, grad, hidden_rows)
-                if needs_hidden:
-                    add_product_fp32(grad_hidden[rows], grad, weight_slice)
-                del grad
-            grad_weight[first:last].copy_(slice_sum)
-            del slice_sum
+                part.scatter_add_(1, column, torch.where(in_slice.unsqueeze(1), -row_scale[rows], 0.0))
+                grad[rows].copy_(part)
+                del part
+            if softcap is not None:
+                (grad,) = torch.autograd.grad(logits, raw, grad)
+            del raw, logits
+            torch.mm(grad.T, hidden, out=grad_weight[first:last])
+            if needs_hidden:
+                add_product_fp32(grad_hidden, grad, weight_slice)
+            del grad
         if needs_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, None, None, None, None, None, None, grad_weight
