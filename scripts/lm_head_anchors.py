@@ -211,9 +211,32 @@ def rel_err(x, ref):
 # --- peaks ------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def fake_cpu_gemms_as_real():
+    """Fake CPU tensors take the real CPU's GEMM path in our loss: FakeTensor has an fp32-output ``addmm`` (its meta
+    kernel), which this CPU may lack (mst_core/grads.py: ``_fp32_out_addmm``); without this the fake peak would omit
+    the fp32 copies the real CPU step holds instead."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from transformers.mst_core import grads
+
+    probe = torch.zeros(1, 1)
+    half = torch.zeros(1, 1, dtype=torch.bfloat16)
+    key = ("cpu", FakeTensor)
+    added = not grads._fp32_out_addmm(probe, half, half) and key not in grads._NO_FP32_OUT_GEMM
+    if added:
+        grads._NO_FP32_OUT_GEMM.add(key)
+    try:
+        yield
+    finally:
+        if added:
+            grads._NO_FP32_OUT_GEMM.discard(key)
+
+
 def peak_mib(method, dtype, tokens, hidden_size, vocab, chunk, fake, default_options=False):
     with contextlib.ExitStack() as stack:
         if fake:
+            stack.enter_context(fake_cpu_gemms_as_real())
             stack.enter_context(FakeTensorMode())
             stack.enter_context(fake_parameters([loss]))
         head, hidden, labels = make_inputs(tokens, hidden_size, vocab, dtype)

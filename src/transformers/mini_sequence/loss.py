@@ -140,13 +140,12 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
         target = labels[start:end]
         valid = target != ignore_index
         safe_target = torch.where(valid, target, 0).unsqueeze(1)
-        if lse_out is None:
-            log_probs = F.log_softmax(logits[start:end], dim=-1, dtype=torch.float32)
-        else:
-            log_probs = logits[start:end].float()
-            lse_out[start:end] = torch.logsumexp(log_probs, dim=-1)
-            log_probs.sub_(lse_out[start:end].unsqueeze(1))
+        log_probs = F.log_softmax(logits[start:end], dim=-1, dtype=torch.float32)
         picked = log_probs.gather(1, safe_target).squeeze(1)
+        if lse_out is not None:
+            # log p(t) = logit(t) - lse at any column t: one fused kernel gives both, where torch.logsumexp of an fp32
+            # copy reads the block four more times (on a GPU this loss is bound by memory traffic)
+            lse_out[start:end] = logits[start:end].gather(1, safe_target).squeeze(1).float() - picked
         total -= torch.where(valid, picked, 0.0).sum()
         if grad_out is None:
             continue
@@ -374,7 +373,11 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
         # and for a divisor of 0 (see `divide_loss_sum`).
         scale = torch.where(divisor == 0, 0.0, grad_total.float() / divisor)
         valid = labels != ctx.ignore_index
-        row_scale = torch.where(valid, scale, 0.0).unsqueeze(1)
+        magnitude = torch.where(valid, scale.abs(), 0.0).unsqueeze(1)
+        # exp(logit - shift) is the softmax times |scale| (+inf where it is 0: a zero row), its sign applied when the
+        # gradient is rounded to half precision: two fewer fp32 passes over each slice than exp, then scale
+        shift = lse.unsqueeze(1) - magnitude.log()
+        sign = torch.sign(scale)
         target = torch.where(valid, labels, -1)
         needs_hidden = ctx.needs_input_grad[0]
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
@@ -394,11 +397,11 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
             grad = raw if softcap is None else torch.empty_like(raw)
             for start in range(0, tokens, block):
                 rows = slice(start, start + block)
-                part = logits[rows].detach().float().sub_(lse[rows].unsqueeze(1)).exp_().mul_(row_scale[rows])
+                part = torch.sub(logits[rows].detach(), shift[rows]).exp_()  # fp32: half - fp32 promotes
                 in_slice = (target[rows] >= first) & (target[rows] < last)
                 column = torch.where(in_slice, target[rows] - first, 0).unsqueeze(1)
-                part.scatter_add_(1, column, torch.where(in_slice.unsqueeze(1), -row_scale[rows], 0.0))
-                grad[rows].copy_(part)
+                part.scatter_add_(1, column, torch.where(in_slice.unsqueeze(1), -magnitude[rows], 0.0))
+                torch.mul(part, sign, out=grad[rows])
                 del part
             if softcap is not None:
                 (grad,) = torch.autograd.grad(logits, raw, grad)
