@@ -684,9 +684,9 @@ def test_loss_vocab_sliced_fp32_out_gemms(loss_backends, monkeypatch):
     got_grads = torch.autograd.grad(got, [hidden, head.weight])
     assert_only_backend(loss_backends, "sliced")
     tokens = hidden.shape[0] * hidden.shape[1]
-    rows = ms_loss._vocab_slice_rows(V_BIG, tokens, 100)
-    assert rows == 384  # 1000 * 100 / 300 tokens = 334, rounded up to a multiple of 128
-    assert calls == [((tokens, rows), torch.bfloat16)] * 2 + [((tokens, V_BIG - 2 * rows), torch.bfloat16)]
+    rows = ms_loss._vocab_slice_rows(V_BIG, tokens, 100, D)
+    assert rows == 128  # 1000 * min(chunk 100, d/2 = 16) / 300 tokens = 54, rounded up to a multiple of 128
+    assert calls == [((tokens, rows), torch.bfloat16)] * 7 + [((tokens, V_BIG - 7 * rows), torch.bfloat16)]
     head64 = as_fp64(head)
     hidden64 = hidden.detach().double().requires_grad_()
     ref_grads = torch.autograd.grad(big_vocab_loss(hidden64, head64, labels), [hidden64, head64.weight])
@@ -741,11 +741,13 @@ def test_loss_vocab_sliced_only_where_it_holds_less(loss_backends):
     assert not pays(fp32, short.float(), [fp32.weight], V_BIG)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not pays(head, short, [head.weight], V_BIG)
-    # A slice's [N, rows] logits: as many elements as a forward chunk's [C, V], rows a multiple of 128, at most V.
-    assert ms_loss._vocab_slice_rows(32000, 8192, 1024) == 4096
-    assert ms_loss._vocab_slice_rows(151936, 8192, 1024) == 19072  # 18992 rounded up
-    assert ms_loss._vocab_slice_rows(262144, 32768, 1024) == 8192
-    assert ms_loss._vocab_slice_rows(128256, 1000, 1024) == 128256  # one chunk: one slice
+    # A slice's [N, rows] logits: as many elements as a forward chunk's [C, V] and at most half the [V, d] weight's,
+    # rows a multiple of 128, at most V.
+    assert ms_loss._vocab_slice_rows(32000, 8192, 1024, 4096) == 4096
+    assert ms_loss._vocab_slice_rows(151936, 8192, 1024, 4096) == 19072  # 18992 rounded up
+    assert ms_loss._vocab_slice_rows(262144, 32768, 1024, 2048) == 8192
+    assert ms_loss._vocab_slice_rows(128256, 1000, 1024, 4096) == 128256  # one chunk: one slice
+    assert ms_loss._vocab_slice_rows(128256, 8192, 1024, 256) == 2048  # V * 128 / 8192 = 2004, rounded up
     # A token count at or above the vocabulary keeps the accumulating Function.
     head, hidden, labels = sliced_case(49, seq=V_BIG // 2)
     loss = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=128, vocab_size=V_BIG)
@@ -780,6 +782,23 @@ def test_loss_vocab_sliced_peak_below_accumulating_function(monkeypatch):
     assert_rel_close(loss, loss_whole, 1e-6, "loss")
     for a, b in zip(grads, grads_whole):
         assert_rel_close(a, b, 2e-2, "grad")
+
+
+def test_loss_vocab_sliced_peak_is_one_chunk(loss_backends):
+    # The sliced path holds no more than one forward chunk's bf16 [C, V] logits and a quarter of them in fp32 at any
+    # time: its forward's log_softmax holds two fp32 row blocks at once (twice as many blocks), a block is freed
+    # before the next, and a backward slice is no larger (at most half the [V, d] weight's elements).
+    torch.manual_seed(51)
+    n_tokens, d, vocab, chunk = 512, 64, 8000, 128
+    head = nn.Linear(d, vocab, bias=False).bfloat16()
+    hidden = torch.randn(1, n_tokens, d).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (1, n_tokens))
+    with LiveTensorTracker() as tracker:
+        loss = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=chunk, vocab_size=vocab)
+        torch.autograd.grad(loss, [hidden, head.weight])
+    assert_only_backend(loss_backends, "sliced")
+    chunk_logits = chunk * vocab * 2
+    assert tracker.peak_bytes <= 1.25 * chunk_logits + 64 * 1024, (tracker.peak_bytes, chunk_logits)
 
 
 def test_loss_head_saving_its_output(loss_backends):

@@ -123,7 +123,8 @@ def _chunk_loss_sum(lm_head, hidden_chunk, labels_chunk, softcap, ignore_index, 
 _ROW_BLOCKS_PER_CHUNK = 8
 
 
-def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_out, lse_out=None):
+def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_out, lse_out=None,
+                                row_blocks=_ROW_BLOCKS_PER_CHUNK):
     """fp32 sum of the token losses of ``logits`` [C, V] (upstream: ``F.cross_entropy(logits.float(),
     labels, reduction="sum")``), and ``grad_scale`` times its gradient written into ``grad_out``
     (shape and dtype of ``logits``; may be ``logits`` itself: each block of rows is read before it
@@ -131,9 +132,10 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
     log-probabilities: ``exp(log_probs) * scale``, minus ``scale`` at the target, zero on ignored
     tokens; then rounded once to the logits' dtype. A few rows at a time, so the fp32 buffers are
     small. With ``grad_out=None`` only the sum is computed. ``lse_out`` [C]: each row's fp32 log-sum-exp is written
-    there (the log-probabilities are then the fp32 logits minus it)."""
+    there (the log-probabilities are then the fp32 logits minus it). A half-precision block's ``log_softmax`` in fp32
+    holds two fp32 blocks at once (torch converts the block first, then writes the result; fp16 on CUDA excepted)."""
     labels = labels.to(logits.device)
-    rows = max(1, -(-logits.shape[0] // _ROW_BLOCKS_PER_CHUNK))
+    rows = max(1, -(-logits.shape[0] // row_blocks))
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for start in range(0, logits.shape[0], rows):
         end = min(start + rows, logits.shape[0])
@@ -147,13 +149,13 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
             # copy reads the block four more times (on a GPU this loss is bound by memory traffic)
             lse_out[start:end] = logits[start:end].gather(1, safe_target).squeeze(1).float() - picked
         total -= torch.where(valid, picked, 0.0).sum()
-        if grad_out is None:
-            continue
-        scale = torch.where(valid, grad_scale, 0.0).unsqueeze(1)
-        grad = log_probs.exp_().mul_(scale)
-        grad.scatter_add_(1, safe_target, -scale)
-        grad_out[start:end].copy_(grad)
-        del log_probs, grad  # before the next block's are allocated
+        if grad_out is not None:
+            scale = torch.where(valid, grad_scale, 0.0).unsqueeze(1)
+            grad = log_probs.exp_().mul_(scale)
+            grad.scatter_add_(1, safe_target, -scale)
+            grad_out[start:end].copy_(grad)
+            del grad
+        del log_probs  # before the next block's is allocated
     return total
 
 
@@ -311,10 +313,14 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
 _VOCAB_SLICE_ALIGN = 128
 
 
-def _vocab_slice_rows(vocab_size: int, tokens: int, chunk_size: int) -> int:
-    """Vocabulary rows per slice of `_VocabSlicedLMLossFunction`'s backward: a slice's [tokens, rows] logits hold as
-    many elements as one chunk's [chunk_size, vocab_size] logits in the forward (rounded up to `_VOCAB_SLICE_ALIGN`)."""
-    rows = -(-vocab_size * min(chunk_size, tokens) // max(tokens, 1))
+def _vocab_slice_rows(vocab_size: int, tokens: int, chunk_size: int, hidden_size: int) -> int:
+    """Vocabulary rows per slice of `_VocabSlicedLMLossFunction`'s backward (rounded up to `_VOCAB_SLICE_ALIGN`): a
+    slice's [tokens, rows] logits hold as many elements as one forward chunk's [chunk_size, V] logits, and at most
+    half as many as the [V, d] weight, so that beside the weight gradient the backward returns they stay below the
+    forward's chunk (at d = 256, 8K tokens, V = 128256, slices of a chunk's size made the loss's peak 438 MiB against
+    its forward's 313)."""
+    per_token = min(chunk_size, tokens, max(1, hidden_size // 2))  # the slice's elements / vocab_size
+    rows = -(-vocab_size * per_token // max(tokens, 1))
     return min(vocab_size, -(-rows // _VOCAB_SLICE_ALIGN) * _VOCAB_SLICE_ALIGN)
 
 
@@ -336,8 +342,8 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
     weight-gradient sum (`_vocab_sliced_backward_pays` says when).
 
     Forward (no graph): ``lm_head(chunk)`` chunk by chunk, the fp32 loss sum and each token's fp32 log-sum-exp
-    (saved: [N] floats). Backward: the vocabulary in slices (`_vocab_slice_rows`: a slice's [N, rows] logits are as
-    large as a forward chunk's [C, V]); for each slice, every token's logits of that slice again (one GEMM), their
+    (saved: [N] floats). Backward: the vocabulary in slices (`_vocab_slice_rows`: a slice's [N, rows] logits are at
+    most as large as a forward chunk's [C, V]); for each slice, every token's logits of that slice again (one GEMM), their
     gradient from the saved log-sum-exp (as upstream's cross-entropy backward computes it, in fp32 a block of rows at
     a time, then rounded once to the logits' dtype; through the soft-cap by autograd), then the slice's weight
     gradient as one GEMM over all tokens (rounded once, as upstream's single GEMM rounds it) and the hidden states'
@@ -355,7 +361,10 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             logits = _apply_softcap(lm_head(hidden[start:end]), softcap)
-            total += _cross_entropy_sum_and_grad(logits, labels[start:end], ignore_index, None, None, lse[start:end])
+            # twice the blocks: the two fp32 blocks its log_softmax holds at once are then a quarter of the chunk's
+            # bf16 logits' bytes, below the [C, V] logits' own
+            total += _cross_entropy_sum_and_grad(logits, labels[start:end], ignore_index, None, None, lse[start:end],
+                                                 row_blocks=2 * _ROW_BLOCKS_PER_CHUNK)
             del logits
         divisor = divisor.to(hidden.device)
         ctx.save_for_backward(hidden, labels, lse, divisor)
@@ -383,7 +392,7 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
         grad_weight = torch.empty_like(weight)
         tokens = hidden.shape[0]
-        slice_rows = _vocab_slice_rows(weight.shape[0], tokens, ctx.chunk_size)
+        slice_rows = _vocab_slice_rows(weight.shape[0], tokens, ctx.chunk_size, weight.shape[1])
         block = max(1, -(-tokens // _ROW_BLOCKS_PER_CHUNK))  # fp32 rows at a time: a quarter of the slice's bytes
         for first in range(0, weight.shape[0], slice_rows):
             last = min(first + slice_rows, weight.shape[0])
