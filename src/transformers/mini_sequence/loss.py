@@ -317,7 +317,7 @@ def _vocab_slice_rows(vocab_size: int, tokens: int, chunk_size: int, hidden_size
     """Vocabulary rows per slice of `_VocabSlicedLMLossFunction`'s backward (rounded up to `_VOCAB_SLICE_ALIGN`): a
     slice's [tokens, rows] logits hold as many elements as one forward chunk's [chunk_size, V] logits, and at most
     half as many as the [V, d] weight, so that beside the weight gradient the backward returns they stay below the
-    forward's chunk (at d = 256, 8K tokens, V = 128256, slices of a chunk's size made the loss's peak 438 MiB against
+    forward's chunk (at d = 256, 8K tokens, V = 128256, slices of a chunk's size made the loss's peak 388 MiB against
     its forward's 313)."""
     per_token = min(chunk_size, tokens, max(1, hidden_size // 2))  # the slice's elements / vocab_size
     rows = -(-vocab_size * per_token // max(tokens, 1))
