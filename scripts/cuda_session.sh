@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One timed session of GPU measurements on a machine without network access, in priority order, each part under its
+# own time limit so that a slow part (a compile) cannot eat the others' time. What each part writes stays if a later
+# part is stopped. docs/cuda/README.md records such sessions.
+#
+# Prepare where pip works (the GPU machine may have none):
+#   make wheel                                      # dist/transformers-<version>-py3-none-any.whl
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d wheels \
+#       pydantic==2.14.4 pydantic-core==2.50.5 hjson==3.1.0 annotated-types typing-inspection
+#   pip wheel --no-deps -w wheels deepspeed==0.19.8 # the ALST anchor of scripts/lm_head_anchors.py (optional)
+#   python scripts/cuda_check.py --planner-only --seq 4096 16384 32768 --out out/planner
+# Then on the GPU machine, from the repository root:
+#   OUT=<folder for the results> WHEELS="dist/*.whl wheels/*.whl" bash scripts/cuda_session.sh
+set -u
+PY=${PYTHON:-python3}  # the interpreter that has torch
+OUT=${OUT:-out/cuda_session}
+PLAN=${PLAN:-out/planner/planner_4096_16384_32768.json}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+if [ -n "${WHEELS:-}" ]; then
+    # shellcheck disable=SC2086 # WHEELS is a list of globs
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mst_site $WHEELS || exit 1
+    export PYTHONPATH=/tmp/mst_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" -c "import torch, transformers; print('transformers', transformers.__version__, 'torch', torch.__version__,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU (a smoke run: MODEL=tiny)')" || exit 1
+model=(--model "${MODEL:-llama-1b}")  # MODEL=tiny: a CPU smoke run of this script (the GPU-only parts fail fast)
+merge=()
+[ -f "$PLAN" ] && merge=(--no-planner --merge-planner "$PLAN")
+
+part() {  # part SECONDS NAME COMMAND...: the command's output to $OUT/NAME.txt, its time and exit status printed
+    local limit=$1 name=$2
+    shift 2
+    echo "=== [$(( $(date +%s) - start )) s] $name: $*"
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    echo "=== $name: exit $? after $(( $(date +%s) - start )) s"
+}
+
+part 150 steps_4096_16384_32768 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 16384 32768 "${merge[@]}" --no-exactness \
+    --no-streaming --out "$OUT/steps" --methods checkpointing mini_sequence mini_sequence+checkpointing
+part 60 lm_head_bf16_d4096 "$PY" scripts/lm_head_anchors.py --device cuda --hidden 4096 --dtypes bf16 \
+    --tokens 8192 32768 --json "$OUT/lm_head_bf16_d4096.json"
+part 120 streaming_4096_16384 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 16384 "${merge[@]}" --out "$OUT/streaming" \
+    --methods streaming mini_sequence+streaming mini_sequence+streaming+offload
+part 60 profile_streaming_16384 "$PY" scripts/cuda_check.py "${model[@]}" --profile --seq 16384 --methods mini_sequence+streaming
+part 200 compiled_4096 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 "${merge[@]}" --no-exactness --no-streaming \
+    --out "$OUT/compiled" --methods mini_sequence+checkpointing+compile checkpointing+compile streaming+compile
+echo "total $(( $(date +%s) - start )) s"
