@@ -361,8 +361,8 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             logits = _apply_softcap(lm_head(hidden[start:end]), softcap)
-            # twice the blocks: the two fp32 blocks its log_softmax holds at once are then a quarter of the chunk's
-            # bf16 logits' bytes, below the [C, V] logits' own
+            # twice the blocks: log_softmax of a half-precision block holds two fp32 blocks at once, together a
+            # quarter of the chunk's bf16 logits' bytes
             total += _cross_entropy_sum_and_grad(logits, labels[start:end], ignore_index, None, None, lse[start:end],
                                                  row_blocks=2 * _ROW_BLOCKS_PER_CHUNK)
             del logits
