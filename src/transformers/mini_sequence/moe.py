@@ -30,6 +30,16 @@ from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook, ow
 from ..mst_core.wrappers import checkpointed_chunks, function_parameters
 
 
+# Under torch.compile the chunks run as checkpoint regions (mst_core/wrappers.py `checkpointed_chunks`), inside which
+# dynamo refuses a mutation of state from outside ("HOP: Unsafe side effect"): setting the collector is one, and
+# dynamo then skips the whole frame. This torch helper marks the call's side effects as intended: dynamo replays them
+# once after the forward graph, and the compiled backward's recompute runs no Python (the rebuilt chunk's logits
+# were only ever collected to be dropped). Eagerly it just calls the function.
+_side_effects_allowed = getattr(
+    torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", lambda fn, *args: fn(*args)
+)
+
+
 def _records_router_logits(hook) -> bool:
     """Upstream's router-logits recorder: it only appends to the collector `_chunk_forward` sets, so it does not stop
     the Function path."""
@@ -49,6 +59,10 @@ def _chunk_forward(recording: bool, block, chunk: torch.Tensor):
     chunk = chunk.contiguous()  # the blocks flatten their input with `.view(-1, hidden)`, which a slice refuses
     if not recording:
         return module_forward(block, chunk)
+    return _side_effects_allowed(_recorded_chunk_forward, block, chunk)
+
+
+def _recorded_chunk_forward(block, chunk):
     with own_router_collector() as collected:
         outputs = _as_outputs(module_forward(block, chunk))
     logits = collected[ROUTER_LOGITS]
