@@ -210,9 +210,10 @@ def test_streaming_under_compile_falls_back_to_eager_call():
 def test_moe_router_aux_loss_under_compile_is_exact(fields):
     """Mixtral with `output_router_logits=True` (the aux loss in the loss) compiled: every layer's logits reach the
     aux loss, exact against the eager unsplit step, and the compiled step breaks its graph no more often than with the
-    fields unset (upstream's own breaks: 8 here). At mst.20 it broke 19 times with `mini_sequence_chunk`: the chunks'
+    fields unset (upstream's own breaks: 9 here). At mst.20 it broke 20 times with `mini_sequence_chunk`: the chunks'
     router-logit collectors (mst_core/router_logits.own_router_collector), set inside checkpoint regions, made dynamo
-    skip the frame; and 15 times with `streaming_backward_chunk`, each layer call running eagerly."""
+    skip the frame; and more with `streaming_backward_chunk` (15 against 8 without padding), each layer call running
+    eagerly."""
     from torch._dynamo.utils import counters
 
     def loss_and_aux(model, ids, mask, labels):
@@ -235,6 +236,20 @@ def test_moe_router_aux_loss_under_compile_is_exact(fields):
     assert ref_aux > 0 and rel_err(aux, ref_aux) < 1e-5, (aux, ref_aux)
     assert_same_step((loss, grads), (ref_loss, ref_grads))
     assert breaks <= unset_breaks, (breaks, unset_breaks)
+
+
+def test_streaming_compiled_router_logits_shape_checked(monkeypatch):
+    """The compiled graph is traced with the router logits' shape known before the layer runs (the experts: rows of the
+    router's weight, streaming_backward/router.experts_recorded); where the layer records another, the operator's
+    kernel raises, naming both, instead of handing the aux loss a tensor of the wrong shape."""
+    from transformers.streaming_backward import router
+
+    monkeypatch.setattr(router, "experts_recorded", lambda layer: 5)  # the tiny Mixtral has 4 experts
+    model = make_model("mixtral", seed=1, attn_implementation="sdpa", use_cache=False, output_router_logits=True,
+                       streaming_backward_chunk=48).train()
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"recorded logits of shape \(400, 4\).*expected \(400, 5\)"):
+        torch.compile(loss_of)(model, *batch())
 
 
 def test_mini_sequence_compiled_bf16_within_upstream_bf16_error():

@@ -414,6 +414,28 @@ def test_bf16_as_accurate_as_upstream(family):
     assert_bf16_as_accurate_as_upstream(family, streaming_backward_chunk=9)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+def test_cpu_autocast_plain_causal_as_accurate_as_upstream(family):
+    """fp32 weights under bf16 autocast (HF Trainer's `bf16=True` on the CPU), no attention mask (each chunk gets
+    torch's lower-right causal bias): autocast casts SDPA's inputs, which differ there (fp32 queries and keys after the
+    rotary embedding, bf16 values), and the bias's path calls kernels autocast does not cast (masks.OwnKeysCausalBias
+    casts them). Until mst.21 this raised a dtype error. As accurate as upstream under autocast, against fp32."""
+    inputs = plain_causal_inputs(seed_of(family, "autocast"))
+    ref_out, ref_grads, ref_embeds = train_step(make_model(family, attn_implementation="sdpa"), *inputs)
+    reference = torch.cat([g.double().flatten() for g in [*ref_grads.values(), ref_embeds]])
+    errors = []
+    for chunk in (None, 9):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, grads, embeds = train_step(
+                make_model(family, attn_implementation="sdpa", streaming_backward_chunk=chunk), *inputs)
+        flat = torch.cat([g.double().flatten() for g in [*grads.values(), embeds]])
+        errors.append((((flat - reference).norm() / reference.norm()).item(), abs(out.loss.item() - ref_out.loss.item())))
+    (grad_up, loss_up), (grad_ours, loss_ours) = errors
+    assert grad_up > 1e-4  # autocast really computed in bf16
+    assert grad_ours <= 1.25 * grad_up, f"gradient error {grad_ours:.2e} vs upstream autocast {grad_up:.2e}"
+    assert loss_ours <= 1.5 * loss_up + 1e-3, f"loss error {loss_ours:.2e} vs upstream autocast {loss_up:.2e}"
+
+
 def test_bf16_linear_weights_one_fp32_out_gemm_per_chunk(monkeypatch):
     """With a GEMM that writes fp32 (CUDA; stood in for here), each recomputed chunk's gradient of each bf16 linear
     weight is one such GEMM into the fp32 sum, as accurate as upstream bf16."""

@@ -5,6 +5,7 @@ import torch
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.router_logits import ROUTER_LOGITS
 from .masks import masks_offset_chunk_itself
+from .router import RECORDED_AROUND_LAYER
 
 
 FLASH_ATTENTION = "flash_attention_2"
@@ -80,7 +81,7 @@ def check_captured_outputs(layer, collector) -> None:
     """Outputs that transformers captures inside the layer (attentions: hooks on submodules) would be captured once per
     chunk, without graph: refused. Hidden states are captured around the layer, MoE router logits by router.py: fine.
     `collector`: the running forward's (router.model_collector)."""
-    handled = ("hidden_states", "_hidden_states_layers", ROUTER_LOGITS)
+    handled = (*RECORDED_AROUND_LAYER, ROUTER_LOGITS)
     inside = sorted(key for key in (collector or {}) if key not in handled)
     if inside:
         raise ValueError(

@@ -20,9 +20,15 @@ forward kernel re-enables autocast where the traced call was under it, the backw
 `torch.autograd.grad` calls; the streamed backward restores the forward's autocast state itself), by torch's
 dispatch-key guard (`torch._C._ForceDispatchKeyGuard`).
 
-Only where the whole call can cross: a registered layer (not a deep copy of one), plain parameters (no FSDP/ZeRO-3 views), no input offload, no
-router logits or other outputs recorded inside the layer, arguments that are tensors, tuples of tensors or
-constants; otherwise the call runs eagerly as before (one graph break: `layer.decoder_layer_forward`).
+MoE router logits (`output_router_logits=True`, router.py) are the operator's second output: [batch * S, experts] as
+the eager streamed layer returns them, appended to the model's collector in the traced graph. Their shape and dtype
+must be known while tracing (the operator's fake): the experts are the rows of the recording router's weight, the
+dtype the hidden states' or autocast's; the kernel checks both.
+
+Only where the whole call can cross: a registered layer (not a deep copy of one), plain parameters (no FSDP/ZeRO-3
+views), no input offload, no outputs recorded inside the layer but router logits of one router with a 2-D weight,
+arguments that are tensors, tuples of tensors or constants; otherwise the call runs eagerly as before (one graph
+break: `layer.decoder_layer_forward`).
 """
 
 import ast
@@ -32,6 +38,7 @@ import weakref
 
 import torch
 
+from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.wrappers import is_plain_parameter
 from . import router
 from .offload import offload_requested
@@ -59,10 +66,13 @@ def register_layers(model) -> None:
             _LAYERS[key] = (weakref.ref(module), forward)
 
 
-def _encode(kwargs, device_type):
+def _encode(kwargs, device_type, router_logits=None):
     """(tensors, text): the call's keyword arguments as a list of tensors and a text for the rest, or None where one
-    cannot cross the operator boundary."""
+    cannot cross the operator boundary. `router_logits`: (experts, dtype) of the router logits the call records."""
     tensors, parts = [], []
+    if router_logits is not None:
+        experts, dtype = router_logits
+        parts.append(f"@router_logits={experts},{str(dtype).removeprefix('torch.')}")
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor):
             parts.append(f"{name}=t{len(tensors)}")
@@ -81,11 +91,15 @@ def _encode(kwargs, device_type):
 
 
 def _decode(text, tensors):
-    """The keyword arguments and the autocast states [(device type, dtype)] that `_encode` wrote."""
-    kwargs, autocast = {}, []
+    """The keyword arguments, the autocast states [(device type, dtype)] and the router logits' (experts, dtype) or
+    None, that `_encode` wrote."""
+    kwargs, autocast, router_logits = {}, [], None
     for part in filter(None, text.split(";")):
         name, spec = part.split("=", 1)
-        if name == "@autocast":
+        if name == "@router_logits":
+            experts, dtype = spec.split(",")
+            router_logits = int(experts), getattr(torch, dtype)
+        elif name == "@autocast":
             dev, dtype = spec.split(",")
             autocast.append((dev, getattr(torch, dtype)))
         elif spec[0] == "t":
@@ -95,7 +109,7 @@ def _decode(text, tensors):
             kwargs[name] = tuple(tensors[first : first + count])
         else:
             kwargs[name] = ast.literal_eval(spec[1:])
-    return kwargs, autocast
+    return kwargs, autocast, router_logits
 
 
 _AUTOCAST_KEYS = [
@@ -142,73 +156,96 @@ class _State:
 
 # The operators' names carry their schema's version: inductor's on-disk cache of compiled graphs calls operators by
 # name, so a graph compiled against another schema must not find these. Bump it with any schema change.
+def _router_logits_like(hidden, router_logits):
+    """The router logits' tensor as the fake gives it: [batch * S, experts] (empty [0] where none are recorded)."""
+    if router_logits is None:
+        return hidden.new_empty(0)
+    experts, dtype = router_logits
+    return hidden.new_empty(hidden.shape[0] * hidden.shape[1], experts, dtype=dtype)
+
+
 @torch.library.custom_op(
-    "transformers_mst::streamed_layer_v1", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+    "transformers_mst::streamed_layer_v2", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
 )
 def streamed_layer(
     hidden: torch.Tensor, tensors: list[torch.Tensor], params: list[torch.Tensor], key: int, text: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the layer's output, a token naming this call's state for its backward)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the layer's output, its router logits or an empty tensor, a token naming this call's state for its
+    backward)."""
     from .layer import StreamedLayerFunction, prepared_call, skip_and_record_projections
 
     layer_ref, forward = _LAYERS[key]
     layer = layer_ref()
-    kwargs, autocast = _decode(text, tensors)
+    kwargs, autocast, router_logits = _decode(text, tensors)
     with _autocast_in_kernel(autocast):
         streamed, _ = prepared_call(forward, layer, (hidden,), kwargs)
+        # The kernel runs outside the model's forward as upstream's collector sees it: told by the traced call.
+        streamed.records_router_logits = router_logits is not None
         skip_and_record_projections(streamed, layer)
         state = _State()
         state.needs_input_grad = (True, False, False) + (True,) * len(params)
         with torch.no_grad():
             out = StreamedLayerFunction.forward(state, hidden, streamed, None, *params)
+    logits = _router_logits_like(hidden, router_logits)
+    if router_logits is not None:
+        out, recorded = out
+        if recorded.shape != logits.shape or recorded.dtype != logits.dtype:
+            raise RuntimeError(
+                f"{STREAMING_FIELD} under torch.compile: {type(layer).__name__}'s router recorded logits of shape "
+                f"{tuple(recorded.shape)} and dtype {recorded.dtype}, the traced graph expected "
+                f"{tuple(logits.shape)} and {logits.dtype}; train without output_router_logits or without compile, "
+                "and please report this with your model."
+            )
+        logits = recorded
     # The tensors come back with the backward (saved by the compiled graph): keep only host-side state here.
     state.saved_tensors, state.params = None, None
     state.argument_names = list(streamed.arguments)  # the call's arguments the chunks get (flash ones taken out)
     streamed.mask, streamed.arguments = None, {}
     token = next(_TOKENS)
     _PENDING[token] = state
-    return out, torch.tensor(token, dtype=torch.int64)
+    return out, logits, torch.tensor(token, dtype=torch.int64)
 
 
 @streamed_layer.register_fake
 def _(hidden, tensors, params, key, text):
-    return torch.empty_like(hidden), torch.empty((), dtype=torch.int64, device="cpu")
+    router_logits = _decode(text, tensors)[2]
+    return torch.empty_like(hidden), _router_logits_like(hidden, router_logits), torch.empty((), dtype=torch.int64)
 
 
-@torch.library.custom_op("transformers_mst::streamed_layer_backward_v1", mutates_args=())
+@torch.library.custom_op("transformers_mst::streamed_layer_backward_v2", mutates_args=())
 def streamed_layer_backward(
-    grad: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor, tensors: list[torch.Tensor],
-    params: list[torch.Tensor], text: str,
+    grad: torch.Tensor, grad_router_logits: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor,
+    tensors: list[torch.Tensor], params: list[torch.Tensor], text: str,
 ) -> list[torch.Tensor]:
     from .layer import StreamedLayerFunction
 
     state = _PENDING.pop(int(token))
-    kwargs, _ = _decode(text, tensors)
+    kwargs, _, router_logits = _decode(text, tensors)
     streamed = state.streamed
     streamed.mask = kwargs.pop("attention_mask", None)
     streamed.arguments = {name: kwargs[name] for name in state.argument_names}
     state.saved_tensors, state.params = (hidden,), tuple(params)
     with _autograd_in_kernel():
-        grads = StreamedLayerFunction.backward(state, grad)
+        grads = StreamedLayerFunction.backward(state, grad, grad_router_logits if router_logits is not None else None)
     return [grads[0], *grads[3:]]
 
 
 @streamed_layer_backward.register_fake
-def _(grad, token, hidden, tensors, params, text):
+def _(grad, grad_router_logits, token, hidden, tensors, params, text):
     return [torch.empty_like(hidden), *(torch.empty_like(p) for p in params)]
 
 
 def _setup_context(ctx, inputs, output):
     hidden, tensors, params, key, text = inputs
     ctx.text, ctx.count = text, len(tensors)
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(output[1], hidden, *tensors, *params)
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(output[2], hidden, *tensors, *params)
 
 
-def _backward(ctx, grad, grad_token):
+def _backward(ctx, grad, grad_router_logits, grad_token):
     token, hidden, *rest = ctx.saved_tensors
     tensors, params = rest[: ctx.count], rest[ctx.count :]
-    grads = streamed_layer_backward(grad, token, hidden, tensors, params, ctx.text)
+    grads = streamed_layer_backward(grad, grad_router_logits, token, hidden, tensors, params, ctx.text)
     return grads[0], [None] * ctx.count, list(grads[1:]), None, None
 
 
@@ -228,14 +265,24 @@ def traced_call(layer, args, kwargs):
     if not isinstance(hidden, torch.Tensor):
         return None
     collector = router.model_collector()
-    if collector:  # outputs recorded inside the layer (router logits, attentions): the eager call handles them
-        return None
+    if collector and set(collector) - {*router.RECORDED_AROUND_LAYER, router.ROUTER_LOGITS}:
+        return None  # outputs recorded inside the layer (attentions): the eager call refuses them (checks.py)
+    router_logits = None
+    if router.recording(collector):
+        experts = router.experts_recorded(layer)
+        if experts is None:
+            return None
+        if experts:
+            device_type = hidden.device.type
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+            router_logits = experts, dtype
     params = [p for p in layer.parameters() if p.requires_grad]
     # Nothing to differentiate: the eager call runs without graph (no backward would take the operator's state).
     if not (hidden.requires_grad or params) or not all(is_plain_parameter(p) for p in params):
         return None
-    encoded = _encode(kwargs, hidden.device.type)
+    encoded = _encode(kwargs, hidden.device.type, router_logits)
     if encoded is None:
         return None
     tensors, text = encoded
-    return streamed_layer(hidden, tensors, params, key, text)[0]
+    out, logits, _ = streamed_layer(hidden, tensors, params, key, text)
+    return router.hand_over((out, logits) if router_logits is not None else out)

@@ -65,6 +65,11 @@ class OwnKeysCausalBias(CausalBias):
         # The sizes the bias was made for (a single query's heads packed into its rows, as upstream's SDPA path does
         # for one query token under GQA, are not a chunk of queries: torch's bias handles them).
         sizes = (query.shape[-2], key.shape[-2]) == (attn_mask.seq_len_q, attn_mask.seq_len_kv)
+        # Autocast casts SDPA's inputs to its dtype (they may differ: fp32 queries and keys after the rotary embedding,
+        # bf16 values); torch's bias path below calls kernels that autocast does not cast, so the cast is done here.
+        if torch.is_autocast_enabled(query.device.type):
+            dtype = torch.get_autocast_dtype(query.device.type)
+            query, key, value = (tensor.to(dtype) for tensor in (query, key, value))
         if (sizes and query.device.type == "cpu" and splits_on_cpu(query.dtype) and key.shape[-2] > query.shape[-2]
                 and not dropout_p and not is_causal and not enable_gqa
                 and key.shape[:-2] == query.shape[:-2] == value.shape[:-2]):

@@ -11,9 +11,15 @@ logits take their rows of its gradient, in the same `autograd.grad` as the chunk
 
 import contextlib
 
+import torch
+
 from ..mst_core.fields import STREAMING_FIELD
-from ..mst_core.router_logits import ROUTER_LOGITS, own_router_collector
+from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook, own_router_collector
 from ..utils import output_capturing
+
+
+# Outputs upstream records with hooks on the decoder layer itself, around the streamed call (checks.py).
+RECORDED_AROUND_LAYER = ("hidden_states", "_hidden_states_layers")
 
 
 def model_collector():
@@ -51,6 +57,20 @@ def chunk_logits(collected, layer, batch: int, rows: int):
             "[tokens, experts] router output per layer. Train without output_router_logits, or unset the field."
         )
     return logits[0]
+
+
+@torch.compiler.assume_constant_result  # run, not traced, while dynamo traces: it reads the hooks' closures
+def experts_recorded(layer):
+    """The number of experts whose logits `layer` records: the rows of the 2-D weight of its one router-logits
+    recorder (Mixtral's, Qwen3-MoE's, GPT-OSS's `TopKRouter`: [experts, hidden]); 0 for a layer without one (a dense
+    layer of an MoE model); None where neither can be told (compiled.py then runs the call eagerly). Fixed for a
+    layer: a module's hooks are installed once."""
+    routers = [module for module in layer.modules()
+               if any(is_output_capturing_hook(hook, ROUTER_LOGITS) for hook in module._forward_hooks.values())]
+    if not routers:
+        return 0
+    weight = getattr(routers[0], "weight", None) if len(routers) == 1 else None
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def hand_over(result):
