@@ -117,9 +117,11 @@ def _chunk_loss_sum(lm_head, hidden_chunk, labels_chunk, softcap, ignore_index, 
 
 # Row blocks per chunk in `_cross_entropy_sum_and_grad`: its fp32 work is done an eighth of the chunk at a time,
 # so a bf16 chunk never has an fp32 copy of its [C, V] logits nor an fp32 [C, V] gradient (a block's fp32
-# buffer is a quarter of the chunk's bf16 logits' bytes). Until mst.8 blocks were also capped at 8 MiB (16 rows
-# at V=128K): 64 blocks per 1024-token chunk, a dozen small kernels each, and on an H100 the LM head + loss ran
-# 100 ms on the host for 28 ms of GPU work (Llama-3.2-1B shapes, 4K tokens; `scripts/cuda_check.py --profile`).
+# buffer is a quarter of the chunk's bf16 logits' bytes; `log_softmax` of a bf16 block holds two such buffers at
+# once, half the chunk's bytes: the sliced forward, whose peak is one chunk's logits, runs twice the blocks).
+# Until mst.8 blocks were also capped at 8 MiB (16 rows at V=128K): 64 blocks per 1024-token chunk, a dozen small
+# kernels each, and on an H100 the LM head + loss ran 100 ms on the host for 28 ms of GPU work (Llama-3.2-1B
+# shapes, 4K tokens; `scripts/cuda_check.py --profile`).
 _ROW_BLOCKS_PER_CHUNK = 8
 
 
