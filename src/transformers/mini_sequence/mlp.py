@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from ..mst_core.grads import LinearWeightGradsSummed, may_have_fp32_out_gemm, summed_as_computed
+from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.model_checks import foreign_forward
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.router_logits import positions
@@ -159,9 +159,8 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
                 # Half-precision linear weights: their gradient goes into `acc` by one fp32-output GEMM per chunk
                 # where the backend has one (CUDA), not as a half product added into the fp32 sum. Without such a
                 # GEMM (the CPU) autograd's product and `summed_as_computed`'s add are as good, and cheaper.
-                take_linears = ctx.fp32_sums and may_have_fp32_out_gemm(x)
-                linear_sums = LinearWeightGradsSummed(acc, wanted_params) if take_linears else contextlib.nullcontext()
-                with linear_sums:
+                linear_sums = linear_weight_grads_summed(acc, wanted_params, x) if ctx.fp32_sums else None
+                with linear_sums or contextlib.nullcontext():
                     chunk_outs = _as_outputs(ctx.forward_fn(ctx.mlp, x_chunk))
                 inputs = ([x_chunk] if needs_x else []) + wanted_params
                 if start == 0:

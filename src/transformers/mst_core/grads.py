@@ -164,6 +164,17 @@ class LinearWeightGradsSummed(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def linear_weight_grads_summed(sums: list, params, like: torch.Tensor):
+    """`LinearWeightGradsSummed(sums, params)` for one chunk's recomputation where it may take a gradient: a
+    half-precision matrix among `params`, autocast off, and a backend that may have an fp32-output GEMM for tensors
+    like `like`; else None. A mode that can take nothing would still see every torch call of the chunk (a Python
+    call each: about 100 per streamed layer chunk, fp32 or autocast training)."""
+    if torch.is_autocast_enabled(like.device.type) or not may_have_fp32_out_gemm(like):
+        return None
+    mode = LinearWeightGradsSummed(sums, params)
+    return mode if mode.index else None
+
+
 _summing = threading.local()  # the active `summed_as_computed` contexts of this thread, innermost last
 
 

@@ -40,7 +40,7 @@ import torch
 from ..mst_core.chunks import one_streamed_chunk
 from ..mst_core.families import streaming_model_types
 from ..mst_core.fields import STREAMING_FIELD
-from ..mst_core.grads import LinearWeightGradsSummed, may_have_fp32_out_gemm, summed_as_computed
+from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.router_logits import positions, token_major
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
@@ -336,16 +336,15 @@ class StreamedLayerFunction(torch.autograd.Function):
                 rng = streamed.chunk_rng[index] if outputs else streamed.keys_values_rng(index)
                 # Half-precision linear weights: each chunk's gradient is one fp32-output GEMM into `acc` where the
                 # backend has one (CUDA), not a half product added into the fp32 sum (mst_core/grads.py).
-                take_linears = may_have_fp32_out_gemm(grad_out)
-                linear_sums = LinearWeightGradsSummed(acc, wanted) if take_linears else contextlib.nullcontext()
+                linear_sums = linear_weight_grads_summed(acc, wanted, grad_out)
                 with restore_rng_state(rng, device), torch.enable_grad():
                     x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
                     # The projections before the cache return what the K/V pass computed (projections.py), where
                     # this pass replays that pass's RNG state: not a blind chunk's output, drawn in a pass of its own.
                     replayed = contextlib.nullcontext()
                     if rng is streamed.keys_values_rng(index):
-                        replayed = streamed.recorded_projections.replaying(index, linear_sums if take_linears else None)
-                    with linear_sums, replayed:
+                        replayed = streamed.recorded_projections.replaying(index, linear_sums)
+                    with linear_sums or contextlib.nullcontext(), replayed:
                         outs = streamed.call(x_chunk, index, cache) or ()
                     inputs = [*([x_chunk] if needs_x else []), *wanted]
                     if not checked:
