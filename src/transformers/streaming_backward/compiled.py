@@ -154,8 +154,6 @@ class _State:
         self.saved_tensors = tensors
 
 
-# The operators' names carry their schema's version: inductor's on-disk cache of compiled graphs calls operators by
-# name, so a graph compiled against another schema must not find these. Bump it with any schema change.
 def _router_logits_like(hidden, router_logits):
     """The router logits' tensor as the fake gives it: [batch * S, experts] (empty [0] where none are recorded)."""
     if router_logits is None:
@@ -164,6 +162,8 @@ def _router_logits_like(hidden, router_logits):
     return hidden.new_empty(hidden.shape[0] * hidden.shape[1], experts, dtype=dtype)
 
 
+# The operators' names carry their schema's version: inductor's on-disk cache of compiled graphs calls operators by
+# name, so a graph compiled against another schema must not find these. Bump it with any schema change.
 @torch.library.custom_op(
     "transformers_mst::streamed_layer_v2", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
 )
@@ -209,7 +209,8 @@ def streamed_layer(
 @streamed_layer.register_fake
 def _(hidden, tensors, params, key, text):
     router_logits = _decode(text, tensors)[2]
-    return torch.empty_like(hidden), _router_logits_like(hidden, router_logits), torch.empty((), dtype=torch.int64)
+    token = torch.empty((), dtype=torch.int64, device="cpu")
+    return torch.empty_like(hidden), _router_logits_like(hidden, router_logits), token
 
 
 @torch.library.custom_op("transformers_mst::streamed_layer_backward_v2", mutates_args=())
