@@ -395,6 +395,21 @@ def test_sft_trainer_streaming_equals_off(case, tmp_path, spies, streamed_layers
     assert_same_weights(weights_off, weights_on)
 
 
+def test_sft_trainer_streaming_with_trl_default_bf16(tmp_path, streamed_layers):
+    """TRL's own default, bf16 mixed precision (autocast over fp32 weights, on the CPU too), as users run it: a batch
+    without padding has no attention mask, and each chunk's causal bias must cast SDPA's inputs as autocast does
+    (streaming_backward/masks.OwnKeysCausalBias). Until mst.21 this case raised a dtype error. Both sides compute in
+    bf16, so the losses agree to bf16 rounding, not to 1e-5 (exactness under autocast: test_streaming.py)."""
+    require("trl")
+    family, rows, overrides = SFT_CASES["assistant_only_loss"]
+    runs = [run_sft(tmp_path, chunk, family, rows, {**overrides, "bf16": True}, stream=stream)
+            for chunk, stream in ((None, None), (CHUNK, STREAM))]
+    (losses_off, *_), (losses_on, _, _, batches) = runs
+    assert streamed_layers["layers"] == 12
+    assert any("attention_mask" not in batch or bool(batch["attention_mask"].all()) for batch in batches)
+    assert len(losses_off) == 6 and losses_on == pytest.approx(losses_off, rel=1e-3)
+
+
 def test_dpo_trainer_streaming_equals_off(tmp_path, streamed_layers):
     """DPO: policy streamed (the reference model runs without grad: upstream path), equal to flags off."""
     require("trl")
