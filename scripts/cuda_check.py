@@ -146,7 +146,9 @@ def mlp_bf16_accuracy(device):
 
 
 def streaming_exactness(device):
-    """Streaming backward vs unsplit, bf16 on `device`, both measured against an fp32 unsplit sdpa reference."""
+    """Streaming backward vs unsplit, bf16 on `device`, both measured against an fp32 unsplit sdpa reference. The
+    "autocast" batch: fp32 weights under bf16 autocast (the Trainer's `bf16=True`), no padding, so no attention mask
+    (each chunk's lower-right causal bias; until mst.21 a dtype error)."""
     from transformers.utils import is_flash_attn_2_available
 
     config = dict(MODELS["tiny"], vocab_size=512, pad_token_id=0, sliding_window=None)
@@ -159,14 +161,17 @@ def streaming_exactness(device):
         "padded": dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)),
         "packed": dict(input_ids=ids[:1], labels=ids[:1],
                        position_ids=torch.cat([torch.arange(n) for n in lengths])[None]),
+        "autocast": dict(input_ids=ids, labels=ids),
     }
 
     def grads_of(implementation, dtype, chunk, inputs):
         torch.manual_seed(0)
         cfg = transformers.LlamaConfig(**config, streaming_backward_chunk=chunk)
         model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=implementation)
-        model.to(device=device, dtype=dtype).train()
-        model(**{k: v.to(device) for k, v in inputs.items()}).loss.backward()
+        autocast = inputs is batches["autocast"] and dtype == torch.bfloat16
+        model.to(device=device, dtype=torch.float32 if autocast else dtype).train()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            model(**{k: v.to(device) for k, v in inputs.items()}).loss.backward()
         return torch.cat([p.grad.double().flatten().cpu() for p in model.parameters()])
 
     implementations = ["sdpa"] + (["flash_attention_2"] if device == "cuda" and is_flash_attn_2_available() else [])
