@@ -204,10 +204,11 @@ def test_streaming_under_compile_falls_back_to_eager_call():
     assert_same_step((loss.detach(), {n: p.grad for n, p in model.named_parameters()}), ref)
 
 
-@pytest.mark.parametrize("fields", [dict(mini_sequence_chunk=48), dict(streaming_backward_chunk=48),
-                                    dict(mini_sequence_chunk=48, streaming_backward_chunk=48)],
-                         ids=["mini_sequence", "streaming", "both"])
-def test_moe_router_aux_loss_under_compile_is_exact(fields):
+@pytest.mark.parametrize("fields,checkpointing", [
+    (dict(mini_sequence_chunk=48), False), (dict(mini_sequence_chunk=48), True),
+    (dict(streaming_backward_chunk=48), False), (dict(mini_sequence_chunk=48, streaming_backward_chunk=48), False),
+], ids=["mini_sequence", "mini_sequence+checkpointing", "streaming", "both"])
+def test_moe_router_aux_loss_under_compile_is_exact(fields, checkpointing):
     """Mixtral with `output_router_logits=True` (the aux loss in the loss) compiled: every layer's logits reach the
     aux loss, exact against the eager unsplit step, and the compiled step breaks its graph no more often than with the
     fields unset (upstream's own breaks: 9 here). At mst.20 it broke 20 times with `mini_sequence_chunk`: the chunks'
@@ -223,6 +224,8 @@ def test_moe_router_aux_loss_under_compile_is_exact(fields):
     def run(step, **more):
         model = make_model("mixtral", seed=1, attn_implementation="sdpa", use_cache=False, output_router_logits=True,
                            **more).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
         torch._dynamo.reset()
         counters.clear()
         loss, aux = step(model, *batch())
