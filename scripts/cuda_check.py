@@ -328,8 +328,15 @@ def main(argv=None):
                         "--methods at each --seq (torch.profiler's table of the ops taking the most time)")
     parser.add_argument("--no-exactness", action="store_true", help="skip part 1")
     parser.add_argument("--no-streaming", action="store_true", help="skip part 3")
+    parser.add_argument("--head", choices=["auto", "accumulating"], default="auto",
+                        help="accumulating: never the vocabulary-sliced LM head (mini_sequence/loss.py), for a speed "
+                             "comparison where the planner says slicing lowers no peak (docs/cuda/README.md)")
     parser.add_argument("--out", type=Path, default=Path("out/cuda_check"))
     args = parser.parse_args(argv)
+    if args.head == "accumulating":
+        from transformers.mini_sequence import loss as mini_sequence_loss
+
+        mini_sequence_loss._vocab_sliced_backward_pays = lambda *args: False  # the rule's private switch, here only
     seqs = "_".join(map(str, args.seq))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.planner_only:
@@ -350,7 +357,7 @@ def main(argv=None):
         return 0
 
     report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
-              "model": args.model, "model_config": MODELS[args.model]}
+              "model": args.model, "model_config": MODELS[args.model], "head": args.head}
     report["exactness"] = {} if args.no_exactness else exactness(device)
     report["mlp_bf16"] = {} if args.no_exactness else mlp_bf16_accuracy(device)
     report["streaming"] = {} if args.no_streaming else streaming_exactness(device)

@@ -39,11 +39,14 @@ part() {  # part SECONDS NAME COMMAND...: the command's output to $OUT/NAME.txt,
 
 part 150 steps_4096_16384_32768 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 16384 32768 "${merge[@]}" --no-exactness \
     --no-streaming --out "$OUT/steps" --methods checkpointing mini_sequence mini_sequence+checkpointing
+# the same step with the accumulating LM head: the planner says slicing lowers no peak there (docs/cuda/README.md)
+part 60 steps_accumulating_head_16384_32768 "$PY" scripts/cuda_check.py "${model[@]}" --seq 16384 32768 "${merge[@]}" \
+    --no-exactness --no-streaming --out "$OUT/steps_accumulating_head" --methods mini_sequence+checkpointing --head accumulating
 part 60 lm_head_bf16_d4096 "$PY" scripts/lm_head_anchors.py --device cuda --hidden 4096 --dtypes bf16 \
     --tokens 8192 32768 --json "$OUT/lm_head_bf16_d4096.json"
 part 120 streaming_4096_16384 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 16384 "${merge[@]}" --out "$OUT/streaming" \
     --methods streaming mini_sequence+streaming mini_sequence+streaming+offload
 part 60 profile_streaming_16384 "$PY" scripts/cuda_check.py "${model[@]}" --profile --seq 16384 --methods mini_sequence+streaming
-part 200 compiled_4096 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 "${merge[@]}" --no-exactness --no-streaming \
+part 140 compiled_4096 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 "${merge[@]}" --no-exactness --no-streaming \
     --out "$OUT/compiled" --methods mini_sequence+checkpointing+compile checkpointing+compile streaming+compile
 echo "total $(( $(date +%s) - start )) s"
