@@ -3,9 +3,8 @@
 import torch
 
 from ..mst_core.fields import STREAMING_FIELD
-from ..mst_core.router_logits import ROUTER_LOGITS
 from .masks import masks_offset_chunk_itself
-from .router import RECORDED_AROUND_LAYER
+from .router import HANDLED_OUTPUTS
 
 
 FLASH_ATTENTION = "flash_attention_2"
@@ -81,8 +80,7 @@ def check_captured_outputs(layer, collector) -> None:
     """Outputs that transformers captures inside the layer (attentions: hooks on submodules) would be captured once per
     chunk, without graph: refused. Hidden states are captured around the layer, MoE router logits by router.py: fine.
     `collector`: the running forward's (router.model_collector)."""
-    handled = (*RECORDED_AROUND_LAYER, ROUTER_LOGITS)
-    inside = sorted(key for key in (collector or {}) if key not in handled)
+    inside = sorted(key for key in (collector or {}) if key not in HANDLED_OUTPUTS)
     if inside:
         raise ValueError(
             f"{STREAMING_FIELD}: output_{inside[0]}=True is not supported in training with streaming backward "

@@ -266,7 +266,7 @@ def traced_call(layer, args, kwargs):
     if not isinstance(hidden, torch.Tensor):
         return None
     collector = router.model_collector()
-    if collector and set(collector) - {*router.RECORDED_AROUND_LAYER, router.ROUTER_LOGITS}:
+    if collector and set(collector) - set(router.HANDLED_OUTPUTS):
         return None  # outputs recorded inside the layer (attentions): the eager call refuses them (checks.py)
     router_logits = None
     if router.recording(collector):

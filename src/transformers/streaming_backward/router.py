@@ -18,8 +18,9 @@ from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook, ow
 from ..utils import output_capturing
 
 
-# Outputs upstream records with hooks on the decoder layer itself, around the streamed call (checks.py).
-RECORDED_AROUND_LAYER = ("hidden_states", "_hidden_states_layers")
+# Outputs a streamed call lets upstream record: those its hooks on the decoder layer itself record, around the call,
+# and the router logits, which this module hands over (checks.py refuses any other; compiled.py runs them eagerly).
+HANDLED_OUTPUTS = ("hidden_states", "_hidden_states_layers", ROUTER_LOGITS)
 
 
 def model_collector():
