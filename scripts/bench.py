@@ -303,7 +303,7 @@ def sweep_compile(args, device):
 
 def sweep_blocks(args, device):
     """MLP and LM head + loss alone, forward + backward, vs M (App. F); M=1 is the upstream code."""
-    d, inter, vocab = BASE["hidden_size"], BASE["intermediate_size"], BASE["vocab_size"]
+    d, vocab = BASE["hidden_size"], BASE["vocab_size"]
     config = transformers.LlamaConfig(**BASE)
     torch.manual_seed(0)
     mlp = transformers.models.llama.modeling_llama.LlamaMLP(config).to(device, args.dtype)

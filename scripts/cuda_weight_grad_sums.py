@@ -58,7 +58,7 @@ def main(argv=None):
         print(f"{name:22s} bf16 mm {t_mm:.3f}  bf16 mm + fp32 add {t_add:.3f}  fp32-out addmm {t_fused:.3f}  "
               f"(x{t_fused / t_add:.2f});  error after 4 chunks: add {errors['add']:.1e}, fused {errors['fused']:.1e}",
               flush=True)
-        del grad_out, inputs, acc, exact
+        grad_out = inputs = acc = exact = None  # freed before the next shape (the lambdas above read them)
         torch.cuda.empty_cache()
 
 

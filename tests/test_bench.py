@@ -1,7 +1,6 @@
 """scripts/bench.py runs end to end on tiny sweeps and writes its tables and plots."""
 
 import csv
-import sys
 from pathlib import Path
 
 from conftest import REPO, run_py

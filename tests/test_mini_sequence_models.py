@@ -6,7 +6,6 @@ parameter and the gradient of `inputs_embeds`.
 """
 
 import logging
-import math
 import zlib
 
 import pytest

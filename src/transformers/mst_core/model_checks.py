@@ -67,13 +67,13 @@ def check_model(model) -> None:
         model.register_forward_pre_hook(check_forwards_at_first_training_step)
     for hook in CONSTRUCTION_HOOKS:
         hook(model)
-    for field, model_types in FIELD_MODEL_TYPES.items():
+    for field, field_model_types in FIELD_MODEL_TYPES.items():
         value = getattr(config, field, None)
-        if value is not None and model_type not in model_types:
+        if value is not None and model_type not in field_model_types:
             # One message per model type and field: `*Model` and `*ForCausalLM` both run post_init.
             logger.warning_once(
                 f"model_type={model_type!r} has no {field} path: {field}={value!r} is ignored. "
-                f"It applies to model types {', '.join(model_types)}."
+                f"It applies to model types {', '.join(field_model_types)}."
             )
     # A composite model (LLaVA & co) with the flag on its text config: the language model's MLP is
     # split, but the composite's own LM head + loss is upstream's. Say so rather than half-apply it.

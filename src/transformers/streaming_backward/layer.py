@@ -402,7 +402,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                     chunk_backward(index, cache, own_keys_values=False)
                 release_final_rows(index)
                 streamed.recorded_projections.release(index)
-            del keys, values
+            keys = values = None  # freed here (`leaves_cache` reads them: a `del` would leave its names unbound)
             if grad_keys.parts or grad_values.parts:  # rows added to after their chunks' turn: a lost gradient
                 raise RuntimeError(
                     f"streaming backward: K/V gradients of row blocks {sorted(grad_keys.parts)} were never "
