@@ -113,8 +113,9 @@ def exactness(device):
     return results
 
 
-def mlp_bf16_accuracy(device):
-    """The mini-sequence MLP in bf16 on `device` (Llama-3.2-1B's MLP, 4096 tokens, chunks of 512): relative-norm
+def mlp_bf16_accuracy(device, model_name="llama-1b"):
+    """The mini-sequence MLP in bf16 on `device` (`model_name`'s MLP: Llama-3.2-1B's by default, 4096 tokens, chunks of
+    512; the tiny smoke-run model's on 1024 tokens, chunks of 128): relative-norm
     error of the output, the input gradient and each weight gradient against fp64 from the same bf16 values, next
     to upstream bf16's (ours must be within 1.25x of it + 1e-4). On CUDA the weight gradients are summed by
     fp32-output GEMMs (`mst_core/grads.py: LinearWeightGradsSummed`)."""
@@ -125,8 +126,8 @@ def mlp_bf16_accuracy(device):
 
     torch.manual_seed(0)
     with torch.device(device):
-        mlp16 = LlamaMLP(transformers.LlamaConfig(**MODELS["llama-1b"])).to(torch.bfloat16)
-        x16 = torch.randn(1, 4096, mlp16.hidden_size).bfloat16()
+        mlp16 = LlamaMLP(transformers.LlamaConfig(**MODELS[model_name])).to(torch.bfloat16)
+        x16 = torch.randn(1, 4096 if model_name == "llama-1b" else 1024, mlp16.hidden_size).bfloat16()
         g16 = torch.randn_like(x16)
     mlp64 = copy.deepcopy(mlp16).double()
 
@@ -135,7 +136,7 @@ def mlp_bf16_accuracy(device):
         out = mini_sequence_mlp(mlp, x, chunk) if chunk else mlp(x)
         return [out, *torch.autograd.grad(out, [x, *mlp.parameters()], g)]
 
-    reference, upstream, ours = run(mlp64, x16.double(), g16.double()), run(mlp16, x16, g16), run(mlp16, x16, g16, 512)
+    reference, upstream, ours = run(mlp64, x16.double(), g16.double()), run(mlp16, x16, g16), run(mlp16, x16, g16, x16.shape[1] // 8)
     results = {}
     names = ["output", "x grad", *(f"{n} grad" for n, _ in mlp16.named_parameters())]
     for name, got, up, ref in zip(names, ours, upstream, reference):
@@ -190,8 +191,9 @@ def streaming_exactness(device):
     return results
 
 
-def build(model_name, method, device):
+def build(model_name, method, device, streaming_chunk="auto"):
     chunk, checkpointing, streaming, offload, compiled = METHODS[method]
+    streaming = streaming and streaming_chunk  # --streaming-chunk for the streamed methods
     config = transformers.LlamaConfig(**MODELS[model_name], mini_sequence_chunk=chunk,
                                       streaming_backward_chunk=streaming, use_cache=False)
     config._attn_implementation = "sdpa"
@@ -206,8 +208,8 @@ def build(model_name, method, device):
     return model
 
 
-def train_steps(model_name, method, seq, device, repeats):
-    model = build(model_name, method, device)
+def train_steps(model_name, method, seq, device, repeats, streaming_chunk="auto"):
+    model = build(model_name, method, device, streaming_chunk)
     # AdamW with bf16 states (the planner's adamw-bf16): states created by one step on zero grads.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     for p in model.parameters():
@@ -250,7 +252,7 @@ def train_steps(model_name, method, seq, device, repeats):
     return row
 
 
-def profile_step(model_name, method, seq, device, rows=25):
+def profile_step(model_name, method, seq, device, rows=25, streaming_chunk="auto"):
     """One step (after a warm-up) under torch.profiler: the ops taking the most device time and the most host
     time, and on CUDA every host-device synchronization (`torch.cuda.set_sync_debug_mode`), by call site."""
     import collections
@@ -259,7 +261,7 @@ def profile_step(model_name, method, seq, device, rows=25):
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    model = build(model_name, method, device)
+    model = build(model_name, method, device, streaming_chunk)
     ids = torch.randint(0, MODELS[model_name]["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
     ids = ids.to(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -292,13 +294,14 @@ def profile_step(model_name, method, seq, device, rows=25):
     del model
 
 
-def planner_peaks(model_name, methods, seqs):
+def planner_peaks(model_name, methods, seqs, streaming_chunk="auto"):
     """{(method, seq): planned peak bytes} for the measured methods (offloaded inputs planned as such)."""
     from transformers.mst_planner.plan import Parallel, Planner
 
     config = transformers.LlamaConfig(**MODELS[model_name])
-    planners = {False: Planner(config, optimizer="adamw-bf16"),
-                True: Planner(config, optimizer="adamw-bf16", parallel=Parallel(offload=("inputs",)))}
+    planners = {False: Planner(config, optimizer="adamw-bf16", streaming_chunk=streaming_chunk),
+                True: Planner(config, optimizer="adamw-bf16", parallel=Parallel(offload=("inputs",)),
+                              streaming_chunk=streaming_chunk)}
     return {(m, s): planners[METHODS[m][3]].peak_bytes(PLANNED_AS.get(m, m), s) for m in methods for s in seqs}
 
 
@@ -311,6 +314,15 @@ def print_row(row):
           f"planner {plan / 2**30 if plan else float('nan'):7.2f} GiB  "
           f"step {row['step_seconds']:.3f} s  loss {row['first_loss']:.4f}"
           + (f"  graph breaks {row['graph_breaks']}" if "graph_breaks" in row else ""), flush=True)
+
+
+def streaming_chunk_arg(value):
+    """--streaming-chunk: "auto" or a positive int."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f'{value!r}: allowed "auto" or a positive int (query tokens per chunk)')
+    return int(value)
 
 
 def main(argv=None):
@@ -331,6 +343,9 @@ def main(argv=None):
     parser.add_argument("--head", choices=["auto", "accumulating"], default="auto",
                         help="accumulating: never the vocabulary-sliced LM head (mini_sequence/loss.py), for a speed "
                              "comparison where the planner says slicing lowers no peak (docs/cuda/README.md)")
+    parser.add_argument("--streaming-chunk", type=streaming_chunk_arg, default="auto",
+                        help='streaming_backward_chunk of the streamed methods: "auto" (default) or query tokens per '
+                             "chunk (fewer, larger chunks: less host work per step for more memory)")
     parser.add_argument("--out", type=Path, default=Path("out/cuda_check"))
     args = parser.parse_args(argv)
     if args.head == "accumulating":
@@ -340,7 +355,7 @@ def main(argv=None):
     seqs = "_".join(map(str, args.seq))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.planner_only:
-        planned = planner_peaks(args.model, args.methods, args.seq)
+        planned = planner_peaks(args.model, args.methods, args.seq, args.streaming_chunk)
         rows = [{"method": m, "seq": s, "planner_peak_bytes": b} for (m, s), b in planned.items()]
         for row in rows:
             print(f"S={row['seq']:6d} {row['method']:36s} planner {row['planner_peak_bytes'] / 2**30:7.2f} GiB", flush=True)
@@ -353,20 +368,21 @@ def main(argv=None):
     if args.profile:
         for seq in args.seq:
             for method in args.methods:
-                profile_step(args.model, method, seq, device)
+                profile_step(args.model, method, seq, device, streaming_chunk=args.streaming_chunk)
         return 0
 
     report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
-              "model": args.model, "model_config": MODELS[args.model], "head": args.head}
+              "model": args.model, "model_config": MODELS[args.model], "head": args.head,
+              "streaming_chunk": args.streaming_chunk}
     report["exactness"] = {} if args.no_exactness else exactness(device)
-    report["mlp_bf16"] = {} if args.no_exactness else mlp_bf16_accuracy(device)
+    report["mlp_bf16"] = {} if args.no_exactness else mlp_bf16_accuracy(device, args.model)
     report["streaming"] = {} if args.no_streaming else streaming_exactness(device)
-    planned = {} if args.no_planner else planner_peaks(args.model, args.methods, args.seq)
+    planned = {} if args.no_planner else planner_peaks(args.model, args.methods, args.seq, args.streaming_chunk)
     rows = []
     for seq in args.seq:
         for method in args.methods:
             try:
-                row = train_steps(args.model, method, seq, device, args.repeats)
+                row = train_steps(args.model, method, seq, device, args.repeats, args.streaming_chunk)
             except Exception as err:  # e.g. a compiler failure: recorded, the other methods still run
                 print(f"S={seq:6d} {method:36s} FAILED: {type(err).__name__}: {err}"[:2000], flush=True)
                 rows.append({"method": method, "seq": seq, "oom": False, "error": f"{type(err).__name__}: {err}"[:2000]})

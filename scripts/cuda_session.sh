@@ -11,6 +11,8 @@
 #   python scripts/cuda_check.py --planner-only --seq 4096 16384 32768 --out out/planner
 # Then on the GPU machine, from the repository root:
 #   OUT=<folder for the results> WHEELS="dist/*.whl wheels/*.whl" bash scripts/cuda_session.sh
+# The parts take about 12 minutes in all, more than one device call may run: PARTS="name ..." runs only those (their
+# names are below), e.g. the first three in one call and the rest in the next.
 set -u
 PY=${PYTHON:-python3}  # the interpreter that has torch
 OUT=${OUT:-out/cuda_session}
@@ -32,6 +34,9 @@ merge=()
 part() {  # part SECONDS NAME COMMAND...: the command's output to $OUT/NAME.txt, its time and exit status printed
     local limit=$1 name=$2
     shift 2
+    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then
+        return
+    fi
     echo "=== [$(( $(date +%s) - start )) s] $name: $*"
     timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
     echo "=== $name: exit $? after $(( $(date +%s) - start )) s"
@@ -46,6 +51,12 @@ part 60 lm_head_bf16_d4096 "$PY" scripts/lm_head_anchors.py --device cuda --hidd
     --tokens 8192 32768 --json "$OUT/lm_head_bf16_d4096.json"
 part 120 streaming_4096_16384 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 16384 "${merge[@]}" --out "$OUT/streaming" \
     --methods streaming mini_sequence+streaming mini_sequence+streaming+offload
+# streaming is host-bound at 16K on Llama-3.2-1B shapes (docs/cuda/README.md): fewer, larger chunks than "auto"'s 2048
+# tokens, for the step time they buy and the peak they cost
+for chunk in 4096 8192; do
+    part 40 "streaming_chunk_${chunk}_16384" "$PY" scripts/cuda_check.py "${model[@]}" --seq 16384 --no-exactness \
+        --no-streaming --no-planner --methods streaming --streaming-chunk "$chunk" --out "$OUT/streaming_chunk_$chunk"
+done
 part 60 profile_streaming_16384 "$PY" scripts/cuda_check.py "${model[@]}" --profile --seq 16384 --methods mini_sequence+streaming
 part 140 compiled_4096 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 "${merge[@]}" --no-exactness --no-streaming \
     --out "$OUT/compiled" --methods mini_sequence+checkpointing+compile checkpointing+compile streaming+compile
