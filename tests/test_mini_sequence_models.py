@@ -139,9 +139,10 @@ def test_exact_with_gradient_checkpointing(family):
     assert_close(eg, ref_eg, what="inputs_embeds")
 
 
-def tokens_per_projection(model, monkeypatch):
-    """Tokens each projection of the first layer sees in one checkpointed training step, per token of the batch.
-    Counted in `nn.Linear.forward` (class level: a module hook would send the MLP to the wrapper path)."""
+def tokens_per_projection(model, inputs, monkeypatch):
+    """Tokens each Linear of the first decoder layer sees in one training step, per token of the batch (counted in
+    `nn.Linear.forward`, class level: a module hook would send the layer to the wrapper path). MoE experts and
+    routers are left out. Also used by test_streaming_families.py."""
     rows = {}
     original = torch.nn.Linear.forward
 
@@ -150,13 +151,11 @@ def tokens_per_projection(model, monkeypatch):
         return original(linear, x)
 
     monkeypatch.setattr(torch.nn.Linear, "forward", counted)
-    model.gradient_checkpointing_enable()
-    input_ids, attention_mask, labels = batch(4)
-    train_step(model, input_ids, attention_mask, labels)
+    train_step(model, *inputs)
+    monkeypatch.setattr(torch.nn.Linear, "forward", original)
     layer = model.model.layers[0]
-    projections = {"q_proj": layer.self_attn.q_proj, "o_proj": layer.self_attn.o_proj,
-                   "gate_proj": layer.mlp.gate_proj, "down_proj": layer.mlp.down_proj}
-    return {name: rows[linear] / input_ids.numel() for name, linear in projections.items()}
+    return {name: rows.get(linear, 0) / inputs[0].numel() for name, linear in layer.named_modules()
+            if isinstance(linear, torch.nn.Linear) and "experts" not in name and "gate" != name.rsplit(".", 1)[-1]}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -164,10 +163,11 @@ def test_checkpointing_recomputes_the_mlp_once(family, monkeypatch):
     """With checkpointing each projection sees each token twice (forward, recompute), flag set or not: the layer's
     recompute stops before the mini-sequence MLP, whose backward rebuilds its chunks (it ran the MLP a third
     time). Gemma-2's post-feedforward norm would save the MLP's output: it runs by mini-sequences with the MLP."""
-    assert tokens_per_projection(make_model(family), monkeypatch) == dict.fromkeys(
-        ("q_proj", "o_proj", "gate_proj", "down_proj"), 2.0)
-    assert tokens_per_projection(make_model(family, mini_sequence_chunk=7), monkeypatch) == dict.fromkeys(
-        ("q_proj", "o_proj", "gate_proj", "down_proj"), 2.0)
+    for chunk in (None, 7):
+        model = make_model(family, mini_sequence_chunk=chunk)
+        model.gradient_checkpointing_enable()
+        counts = tokens_per_projection(model, batch(4), monkeypatch)
+        assert len(counts) == 7 and set(counts.values()) == {2.0}, (chunk, counts)  # q, k, v, o, gate, up, down
 
 
 @pytest.mark.parametrize("hooked", [None, "mlp", "post_feedforward_layernorm"])

@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 import transformers
-from test_mini_sequence_models import assert_close, train_step
+from test_mini_sequence_models import assert_close, tokens_per_projection, train_step
 from tiny_models import COMMON, FAMILIES, NEW_FAMILIES, make_model
 from transformers.streaming_backward import layer as generic
 from transformers.streaming_backward import rows
@@ -163,24 +163,6 @@ def test_exact_packed_sequences(family, monkeypatch):
     for name in ref_grads:
         assert_close(grads[name], ref_grads[name], what=name)
     assert_close(embeds, ref_embeds, what="inputs_embeds")
-
-
-def tokens_per_projection(model, inputs, monkeypatch):
-    """Tokens each Linear of the first layer sees in one training step, per token of the batch (counted in
-    `nn.Linear.forward`, class level: a module hook would send the layer to the wrapper path)."""
-    rows = {}
-    original = torch.nn.Linear.forward
-
-    def counted(linear, x):
-        rows[linear] = rows.get(linear, 0) + x.shape[:-1].numel()
-        return original(linear, x)
-
-    monkeypatch.setattr(torch.nn.Linear, "forward", counted)
-    train_step(model, *inputs)
-    monkeypatch.setattr(torch.nn.Linear, "forward", original)
-    layer = model.model.layers[0]
-    return {name: rows.get(linear, 0) / inputs[0].numel() for name, linear in layer.named_modules()
-            if isinstance(linear, torch.nn.Linear) and "experts" not in name and "gate" != name.rsplit(".", 1)[-1]}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2"])
