@@ -62,12 +62,20 @@ def assert_close(actual, expected, rtol=RTOL, what=""):
     assert err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"
 
 
+# Qwen3.5's linear-attention decay parameters (one per head) get gradients that are small sums of large terms of both
+# signs: in upstream's own fp32 step, nudging every MLP output and input gradient by one fp32 rounding moved them by
+# up to 2.1e-5 relative (seeds 3-11; the mini-sequence step: up to 4.0e-5, at seed 5; every other gradient within
+# 1e-6), and against fp64 upstream's fp32 and ours take turns being the closer. Still 40x below bf16's rounding.
+ILL_CONDITIONED_RTOL = {"linear_attn.dt_bias": 1e-4, "linear_attn.A_log": 1e-4}
+
+
 def assert_same_step(result, reference):
     (out, grads, embed_grad), (ref, ref_grads, ref_embed_grad) = result, reference
     assert_close(out.loss, ref.loss, what="loss")
     assert grads.keys() == ref_grads.keys()
     for name in ref_grads:
-        assert_close(grads[name], ref_grads[name], what=name)
+        rtol = next((tol for suffix, tol in ILL_CONDITIONED_RTOL.items() if name.endswith(suffix)), RTOL)
+        assert_close(grads[name], ref_grads[name], rtol=rtol, what=name)
     if ref_embed_grad is not None:
         assert_close(embed_grad, ref_embed_grad, what="inputs_embeds")
 
@@ -428,3 +436,33 @@ def test_moe_eval_router_logits_whole(family):
     assert [r.shape for r in out.router_logits] == [r.shape for r in ref.router_logits]
     for logits, ref_logits in zip(out.router_logits, ref.router_logits):
         assert_close(logits, ref_logits, what="router_logits")
+
+
+# ----------------------------------------------------------------------------- Qwen3.5
+
+
+def test_qwen3_5_checkpoint_through_auto_model_for_causal_lm(tmp_path, caplog):
+    """What a Qwen3.5 user runs: a `qwen3_5` (multimodal) checkpoint loaded by AutoModelForCausalLM, which builds the
+    text stack (Qwen3_5ForCausalLM), with `from_pretrained(path, mini_sequence_chunk=...)`. The chunked loss runs
+    (no logits) and equals the unset step with the Trainer's gradient-accumulation divisor (`num_items_in_batch`);
+    `streaming_backward_chunk` on it is warned about as ignored (its linear-attention layers) and changes nothing."""
+    text = {**COMMON, **NEW_FAMILIES["qwen3_5_text"][2]}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"])
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(tmp_path)
+    inputs = batch(31)
+
+    def step(**fields):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **fields)
+        assert type(model).__name__ == "Qwen3_5ForCausalLM"
+        return train_step(model, *inputs, num_items_in_batch=torch.tensor(97))
+
+    reference = step()
+    result = step(mini_sequence_chunk=7)
+    assert result[0].logits is None and reference[0].logits is not None
+    assert_same_step(result, reference)
+    with caplog.at_level(logging.WARNING):
+        streamed = step(mini_sequence_chunk=7, streaming_backward_chunk=4)
+    assert "qwen3_5_text" in caplog.text and "has no streaming_backward_chunk path" in caplog.text
+    assert_same_step(streamed, result)

@@ -59,6 +59,15 @@ FAMILIES = {
     "gpt_oss": Family("GPT-OSS", "GptOssConfig", "GptOssForCausalLM", "moe", ("eager",),
                       tiny={"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                             "router_aux_loss_coef": 1.0}),
+    # Qwen3.5's text stack (`Qwen3_5ForCausalLM`, also what AutoModelForCausalLM builds from a `qwen3_5` checkpoint):
+    # Gated DeltaNet linear-attention layers and full-attention ones (3 to 1 in the released configs), a dense MLP.
+    # Not streamed: a linear-attention layer carries a recurrent state along the sequence, not K/V a query chunk can
+    # read. Tiny: one layer of each kind.
+    "qwen3_5_text": Family("Qwen3.5 text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "mlp",
+                           no_streaming="ignored (warned): linear-attention layers",
+                           tiny={"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                 "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                 "layer_types": ["linear_attention", "full_attention"]}),
     "gemma3": Family("Gemma-3 multimodal", "Gemma3Config", "Gemma3ForConditionalGeneration", "text_config",
                      no_streaming="on `text_config`: the text layers, as Gemma-3 text (images included)"),
     "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", adjoint=True, tiny={}),

@@ -41,6 +41,17 @@ FIELD_MODEL_TYPES = {
 CONFIG_FIELDS = tuple(FIELD_MODEL_TYPES)
 
 
+def carry_fields_to_text_config(composite_config, text_config) -> None:
+    """Our fields set on a composite checkpoint's config, onto its text config, where AutoModelForCausalLM builds the
+    text model alone from the latter (patch 0014 in models/auto/auto_factory.py: Qwen3.5's `qwen3_5` checkpoints give
+    Qwen3_5ForCausalLM). `from_pretrained(path, mini_sequence_chunk=...)` puts the field on the composite's config,
+    which upstream then drops (as it would the dtype, which it re-injects): the field was silently lost."""
+    for field in CONFIG_FIELDS:
+        value = getattr(composite_config, field, None)
+        if value is not None:
+            setattr(text_config, field, value)
+
+
 def validate_fields(config) -> None:
     """Raise ``ValueError`` naming the field for any invalid value of ours on ``config`` (absent fields are None)."""
     validate_mini_sequence_chunk(getattr(config, MINI_SEQUENCE_FIELD, None))
