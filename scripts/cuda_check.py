@@ -114,8 +114,8 @@ def exactness(device):
 
 
 def mlp_bf16_accuracy(device, model_name="llama-1b"):
-    """The mini-sequence MLP in bf16 on `device` (`model_name`'s MLP: Llama-3.2-1B's by default, 4096 tokens, chunks of
-    512; the tiny smoke-run model's on 1024 tokens, chunks of 128): relative-norm
+    """The mini-sequence MLP in bf16 on `device` (`model_name`'s MLP on 2 x hidden_size tokens in chunks of hidden_size / 4:
+    Llama-3.2-1B's by default, 4096 tokens, chunks of 512): relative-norm
     error of the output, the input gradient and each weight gradient against fp64 from the same bf16 values, next
     to upstream bf16's (ours must be within 1.25x of it + 1e-4). On CUDA the weight gradients are summed by
     fp32-output GEMMs (`mst_core/grads.py: LinearWeightGradsSummed`)."""
@@ -127,7 +127,7 @@ def mlp_bf16_accuracy(device, model_name="llama-1b"):
     torch.manual_seed(0)
     with torch.device(device):
         mlp16 = LlamaMLP(transformers.LlamaConfig(**MODELS[model_name])).to(torch.bfloat16)
-        x16 = torch.randn(1, 4096 if model_name == "llama-1b" else 1024, mlp16.hidden_size).bfloat16()
+        x16 = torch.randn(1, 2 * mlp16.hidden_size, mlp16.hidden_size).bfloat16()
         g16 = torch.randn_like(x16)
     mlp64 = copy.deepcopy(mlp16).double()
 
@@ -136,7 +136,7 @@ def mlp_bf16_accuracy(device, model_name="llama-1b"):
         out = mini_sequence_mlp(mlp, x, chunk) if chunk else mlp(x)
         return [out, *torch.autograd.grad(out, [x, *mlp.parameters()], g)]
 
-    reference, upstream, ours = run(mlp64, x16.double(), g16.double()), run(mlp16, x16, g16), run(mlp16, x16, g16, x16.shape[1] // 8)
+    reference, upstream, ours = run(mlp64, x16.double(), g16.double()), run(mlp16, x16, g16), run(mlp16, x16, g16, mlp16.hidden_size // 4)
     results = {}
     names = ["output", "x grad", *(f"{n} grad" for n, _ in mlp16.named_parameters())]
     for name, got, up, ref in zip(names, ours, upstream, reference):
