@@ -4,14 +4,33 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from mstbuild import core, series  # noqa: E402
+
+# DeepSpeed JIT-builds its CPU shared-memory comm op (deepspeed/comm/torch.py, build_shm_op) on the
+# first init_distributed, under torch's file lock `<TORCH_EXTENSIONS_DIR>/<op>/lock`. A process killed
+# mid-build leaves that lock behind, and every later DeepSpeed process waits on it forever (our
+# distributed tests then time out). So the suite builds into the checkout's own .cache/ (ignored by
+# git; a clean clone builds afresh, about a minute on 2 cores), never into the user's ~/.cache, and
+# drops a lock there older than any build takes. An explicit TORCH_EXTENSIONS_DIR is respected.
+# Per Python and torch build, as torch's own default is (a set TORCH_EXTENSIONS_DIR gets no subfolder).
+TORCH_EXTENSIONS_DIR = os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    str(REPO / ".cache" / "torch_extensions" / f"{sys.implementation.cache_tag}-torch{torch.__version__}"),
+)
+STALE_LOCK_SECONDS = 15 * 60
+if Path(TORCH_EXTENSIONS_DIR).is_relative_to(REPO):
+    for lock in Path(TORCH_EXTENSIONS_DIR).glob("*/lock"):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
