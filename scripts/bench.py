@@ -73,6 +73,9 @@ FAMILIES = {
     # full-attention one; linear-attention heads of 64 (2 for keys, 4 for values).
     "qwen3_5_text": {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
                      "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"]},
+    "olmo3": {"eos_token_id": 2, "sliding_window": 512},
+    "smollm3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "ministral3": {},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
     "qwen3_moe": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 512},

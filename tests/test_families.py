@@ -27,9 +27,9 @@ def test_readme_support_matrix_is_the_registry():
 
 def test_every_family_has_a_tiny_test_config():
     tiny = set(tiny_models.FAMILIES) | set(tiny_models.NEW_FAMILIES) | set(tiny_models.SSM_FAMILIES)
-    # gemma3 (multimodal) is built around gemma3_text's tiny config in tests/test_new_families.py.
-    assert tiny | {"gemma3"} == set(families.FAMILIES)
-    assert [t for t, family in families.FAMILIES.items() if family.tiny is None] == ["gemma3"]
+    # The multimodal gemma3 and gemma4 are built around their text tiny configs in tests/test_new_families.py.
+    assert tiny | {"gemma3", "gemma4"} == set(families.FAMILIES)
+    assert [t for t, family in families.FAMILIES.items() if family.tiny is None] == ["gemma3", "gemma4"]
 
 
 @pytest.mark.parametrize("model_type", sorted(families.FAMILIES))

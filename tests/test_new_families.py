@@ -1,5 +1,6 @@
-"""`mini_sequence_chunk` on the families added in 5.24.0+mst.9 (Qwen3, Phi-3, OLMo-2, Gemma-3 text and
-Gemma3ForConditionalGeneration, Mixtral, Qwen3-MoE): the flag, and exactness against the unsplit path.
+"""`mini_sequence_chunk` on the families added since 5.24.0+mst.9 (Qwen3, Phi-3, OLMo-2, Gemma-3 text and
+Gemma3ForConditionalGeneration, Mixtral, Qwen3-MoE, GPT-OSS, Qwen3.5 text, OLMo-3, SmolLM3, Ministral-3, Gemma-4 text
+and Gemma4ForConditionalGeneration): the flag, and exactness against the unsplit path.
 
 Every comparison builds the same model twice from one seed, flag off (upstream path) and flag on, feeds both
 the same fresh random batch (2 rows, left padding, ignored labels), and compares the loss, the gradient of every
@@ -180,8 +181,12 @@ def test_mlp_body_runs_per_mini_sequence(family, monkeypatch):
 
 
 # The layer's recompute stops before the MLP (`_SavedInput`); OLMo-2's and Gemma-3's post-feedforward norm, which
-# would save the MLP's whole output, runs by mini-sequences with the MLP (`mini_sequence_mlp_then_norm`).
-MLP_RUNS_WITH_CHECKPOINTING = {"qwen3": 2.0, "phi3": 2.0, "olmo2": 2.0, "gemma3_text": 2.0}
+# would save the MLP's whole output, runs by mini-sequences with the MLP (`mini_sequence_mlp_then_norm`). Gemma-4's
+# layer saves tensors after its MLP (the per-layer-input gate its input; `hidden_states *= self.layer_scalar` the
+# scalar): the recompute has to run the whole layer, the chunked MLP included, before the MLP's backward rebuilds
+# each chunk once more (3 passes; measured 2 with both taken out of the layer; docs/limits.md).
+MLP_RUNS_WITH_CHECKPOINTING = {"qwen3": 2.0, "phi3": 2.0, "olmo2": 2.0, "gemma3_text": 2.0, "olmo3": 2.0, "smollm3": 2.0,
+                               "ministral3": 2.0, "gemma4_text": 3.0}
 
 
 @pytest.mark.parametrize("family", sorted(MLP_RUNS_WITH_CHECKPOINTING))
@@ -277,6 +282,72 @@ def test_gemma3_conditional_generation_streams_images(chunk, monkeypatch):
     assert grads.keys() == ref_grads.keys() and any("vision" in n for n in grads)
     for name in ref_grads:
         assert_close(grads[name], ref_grads[name], what=name)
+
+
+# ----------------------------------------------------------------------------- Gemma-4
+
+# What the released Gemma-4 configs have and the tiny one leaves out: the last layers read the K/V that earlier layers
+# stored, with double-wide MLPs (E2B, E4B), and a MoE block beside each layer's MLP (26B-A4B).
+GEMMA4_RELEASED_PARTS = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                             num_kv_shared_layers=2, use_double_wide_mlp=True, enable_moe_block=True, num_experts=4,
+                             top_k_experts=2, moe_intermediate_size=16)
+
+
+@pytest.mark.parametrize("chunk", [5, "auto"], ids=str)
+def test_gemma4_text_shared_kv_double_wide_mlp_and_moe_block(chunk):
+    """Exact with the parts of the released configs (the MoE block runs unsplit, its MLP neighbour by mini-sequences,
+    each normed as upstream's)."""
+    inputs = batch(zlib.crc32(f"gemma4/{chunk}".encode()) % 1000)
+    reference = train_step(make_model("gemma4_text", **GEMMA4_RELEASED_PARTS), *inputs)
+    model = make_model("gemma4_text", mini_sequence_chunk=chunk, **GEMMA4_RELEASED_PARTS)
+    assert model.model.layers[3].mlp.intermediate_size == 2 * COMMON["intermediate_size"]  # double-wide, K/V reused
+    assert_same_step(train_step(model, *inputs), reference)
+
+
+def gemma4_multimodal(seed=0, vision=False, **text_overrides):
+    vocab = COMMON["vocab_size"]
+    config = transformers.Gemma4Config(
+        text_config={**COMMON, **NEW_FAMILIES["gemma4_text"][2], **text_overrides},
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                           position_embedding_size=64) if vision else None,
+        boi_token_id=vocab - 3, eoi_token_id=vocab - 2, image_token_id=vocab - 1, video_token_id=vocab - 4,
+        boa_token_id=vocab - 5, eoa_token_index=vocab - 6, audio_token_id=vocab - 7,
+    )
+    torch.manual_seed(seed)
+    return transformers.Gemma4ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("chunk", [7, "auto"], ids=str)
+def test_gemma4_conditional_generation_text_config_flag(chunk, caplog):
+    """What AutoModelForCausalLM builds from a `gemma4` checkpoint: `text_config.mini_sequence_chunk` splits the
+    language model's MLP and chunks the composite's LM head + loss, softcapped by the text config's cap as upstream's
+    (the tiny cap, 2.0, bends the logits: left out, the gradients moved by 4e-3); no 'ignored' warning."""
+    inputs = batch(zlib.crc32(f"gemma4-mm/{chunk}".encode()) % 1000, high=COMMON["vocab_size"] - 8)
+    reference = train_step(gemma4_multimodal(), *inputs, embeds=False)
+    with caplog.at_level(logging.WARNING):
+        model = gemma4_multimodal(mini_sequence_chunk=chunk)
+    assert model.config.get_text_config().final_logit_softcapping == 2.0
+    assert "ignored" not in caplog.text and "upstream's way" not in caplog.text
+    result = train_step(model, *inputs, embeds=False)
+    assert (result[0].logits is None) == (chunk == 7)
+    assert_same_step(result, reference)
+
+
+def test_gemma4_conditional_generation_with_images():
+    """With an image per row (its soft token's label ignored): exact, the vision tower's gradients included."""
+    vocab = COMMON["vocab_size"]
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, vocab - 8, (2, SEQ), generator=gen)
+    ids[:, 5], ids[:, 6], ids[:, 7] = vocab - 3, vocab - 1, vocab - 2  # boi, the image's one soft token, eoi
+    images = dict(pixel_values=torch.randn(2, 4, 48, generator=gen),  # 2x2 patches of 4x4 pixels, pooled to one token
+                  image_position_ids=torch.tensor([[0, 0], [1, 0], [0, 1], [1, 1]]).expand(2, 4, 2).clone())
+    labels = ids.masked_fill(ids == vocab - 1, -100)
+    inputs = (ids, torch.ones_like(ids), labels)
+    reference = train_step(gemma4_multimodal(vision=True), *inputs, embeds=False, **images)
+    result = train_step(gemma4_multimodal(vision=True, mini_sequence_chunk=7), *inputs, embeds=False, **images)
+    assert any("vision_tower" in name for name in reference[1])
+    assert_same_step(result, reference)
 
 
 # ----------------------------------------------------------------------------- MoE: the auxiliary loss

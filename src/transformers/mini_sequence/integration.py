@@ -21,6 +21,9 @@ from .moe import mini_sequence_moe
 
 logger = logging.get_logger(__name__)
 
+# causal_lm_output's default softcap: the one the model's own config holds (`_model_softcapping`).
+_MODEL_CONFIG = object()
+
 
 def enabled(config) -> bool:
     """Whether `config` asks for mini-sequences. `getattr`: MLPs and heads are also built from
@@ -129,10 +132,17 @@ def causal_lm_loss(model, hidden_states, labels, **kwargs):
     `if labels is not None and logits is not None:` (upstream's loss)."""
     if not computes_loss(model, labels):
         return None
-    return _chunked_loss(model, hidden_states, labels, **kwargs)
+    return _chunked_loss(model, hidden_states, labels, _model_softcapping(model), **kwargs)
 
 
-def _chunked_loss(model, hidden_states, labels, **kwargs):
+def _model_softcapping(model):
+    """The logit softcap that upstream's head applies: the model's own config's. Gemma-2/3's *ForCausalLM cap their
+    logits; Gemma3ForConditionalGeneration does not (upstream applies none there, and its config has no such field);
+    Gemma4ForConditionalGeneration caps by its text config's, which its patched line passes explicitly."""
+    return getattr(model.config, "final_logit_softcapping", None)
+
+
+def _chunked_loss(model, hidden_states, labels, final_logit_softcapping=None, **kwargs):
     config = _text_config(model)
     num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
     return mini_sequence_causal_lm_loss(
@@ -144,22 +154,24 @@ def _chunked_loss(model, hidden_states, labels, **kwargs):
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         ignore_index=kwargs.get("ignore_index", -100),
         shift_labels=kwargs.get("shift_labels"),
-        # The model's own config: Gemma-2/3's *ForCausalLM cap their logits; Gemma3ForConditionalGeneration does
-        # not (upstream applies no softcapping there, and its config has no such field).
-        final_logit_softcapping=getattr(model.config, "final_logit_softcapping", None),
+        final_logit_softcapping=final_logit_softcapping,
     )
 
 
-def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalLMOutputWithPast, **kwargs):
+def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalLMOutputWithPast, *,
+                     final_logit_softcapping=_MODEL_CONFIG, **kwargs):
     """Loss of `model.lm_head(hidden_states)` against `labels`, chunk by chunk; `logits` is None.
 
     Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
-    num_items_in_batch) and, for Gemma-2/3, `final_logit_softcapping` applied per chunk. The result
+    num_items_in_batch) and, for Gemma-2/3/4, the logit softcap applied per chunk: `final_logit_softcapping`, by
+    default the model config's (`_model_softcapping`). The result
     is `output_class` with the base model's other outputs (its `cache`,
     hidden_states, attentions); a tuple `(loss, None, *outputs[1:])` when the base model returned a
     tuple (Mamba with `return_dict=False`), where upstream puts the logits second.
     """
-    loss = _chunked_loss(model, hidden_states, labels, **kwargs)
+    if final_logit_softcapping is _MODEL_CONFIG:
+        final_logit_softcapping = _model_softcapping(model)
+    loss = _chunked_loss(model, hidden_states, labels, final_logit_softcapping, **kwargs)
     if isinstance(outputs, tuple):
         return (loss, None, *outputs[1:])
     return output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})

@@ -47,6 +47,31 @@ FAMILIES = {
     "gemma3_text": Family("Gemma-3 text", "Gemma3TextConfig", "Gemma3ForCausalLM", "mlp", _ATTENTION, ulysses=True,
                           tiny={"head_dim": 8, "final_logit_softcapping": 2.0, "sliding_window": 8,
                                 "layer_types": ["sliding_attention", "full_attention"]}),
+    # OLMo-3: OLMo-2's post-norm layers with sliding-window layers (3 to 1). Tiny: a window (8) shorter than the test
+    # sequences on one layer of two.
+    "olmo3": Family("OLMo-3", "Olmo3Config", "Olmo3ForCausalLM", "mlp", _ATTENTION,
+                    tiny={"eos_token_id": 2, "sliding_window": 8,
+                          "layer_types": ["sliding_attention", "full_attention"]}),
+    # SmolLM3: Llama layers, some without rotary embeddings (NoPE). Tiny: layer 1 of 2 is NoPE.
+    "smollm3": Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", "mlp", _ATTENTION,
+                      tiny={"bos_token_id": 1, "eos_token_id": 2, "no_rope_layers": [1, 0]}),
+    # Ministral-3: Mistral layers whose queries are scaled by position (Llama-4's attention scaling). Tiny: the
+    # scaling steps every 8 positions, so it varies along the test sequences (the released step is 16384).
+    "ministral3": Family("Ministral-3", "Ministral3Config", "Ministral3ForCausalLM", "mlp", _ATTENTION,
+                         tiny={"rope_parameters": {"type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                                                   "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                                   "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                                                   "llama_4_scaling_beta": 0.1}}),
+    # Gemma-4 text (`Gemma4ForCausalLM`): Gemma-3's layers plus per-layer input embeddings, K/V shared across the last
+    # layers, and on 26B-A4B a MoE block beside the MLP (not chunked). Not streamed: a layer's per-layer input is not
+    # among the streamed layer's inputs (the streamed Function refuses it: its gradient would be lost) and a layer
+    # reading K/V another layer stored needs them whole. Tiny: Gemma-3 text's, with per-layer inputs of 8 and
+    # full-attention heads (`global_head_dim`) of 8.
+    "gemma4_text": Family("Gemma-4 text", "Gemma4TextConfig", "Gemma4ForCausalLM", "mlp",
+                          no_streaming="ignored (warned): per-layer inputs, K/V shared across layers",
+                          tiny={"head_dim": 8, "global_head_dim": 8, "final_logit_softcapping": 2.0,
+                                "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                                "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 128}),
     # Tiny MoE: 4 experts, top-2; the auxiliary loss weighted 1.0 so that its gradient counts in the comparisons.
     "mixtral": Family("Mixtral", "MixtralConfig", "MixtralForCausalLM", "moe", _ATTENTION,
                       tiny={"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 1.0}),
@@ -70,6 +95,10 @@ FAMILIES = {
                                  "layer_types": ["linear_attention", "full_attention"]}),
     "gemma3": Family("Gemma-3 multimodal", "Gemma3Config", "Gemma3ForConditionalGeneration", "text_config",
                      no_streaming="on `text_config`: the text layers, as Gemma-3 text (images included)"),
+    # What AutoModelForCausalLM builds from a `gemma4` checkpoint. Its head caps the logits by the text config's
+    # softcap (Gemma-3's composite caps none).
+    "gemma4": Family("Gemma-4 multimodal", "Gemma4Config", "Gemma4ForConditionalGeneration", "text_config",
+                     no_streaming="on `text_config`: ignored (warned), as Gemma-4 text"),
     "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", adjoint=True, tiny={}),
     "falcon_mamba": Family("FalconMamba", "FalconMambaConfig", "FalconMambaForCausalLM", "lm_head", adjoint=True,
                            tiny={}),
