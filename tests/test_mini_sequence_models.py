@@ -344,7 +344,7 @@ def test_bf16_vocab_sliced_head_as_accurate_as_upstream(family, monkeypatch):
 # ----------------------------------------------------------------------------- memory
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3_5_text", "olmo3", "smollm3", "ministral3"])
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3_5_text", "olmo3", "smollm3", "ministral3", "gemma4_text"])
 def test_no_sequence_sized_intermediate_allocated(family):
     """During a training step with the flag on, no [S, I] or [S, V] tensor is ever allocated.
 

@@ -65,13 +65,13 @@ FAMILIES = {
     # Gemma-4 text (`Gemma4ForCausalLM`): Gemma-3's layers plus per-layer input embeddings, K/V shared across the last
     # layers, and on 26B-A4B a MoE block beside the MLP (not chunked). Not streamed: a layer's per-layer input is not
     # among the streamed layer's inputs (the streamed Function refuses it: its gradient would be lost) and a layer
-    # reading K/V another layer stored needs them whole. Tiny: Gemma-3 text's, with per-layer inputs of 8 and
-    # full-attention heads (`global_head_dim`) of 8.
+    # reading K/V another layer stored needs them whole. Tiny: Gemma-3 text's, with per-layer inputs of 8 (their
+    # vocabulary covers the tests' larger ones) and full-attention heads (`global_head_dim`) of 8.
     "gemma4_text": Family("Gemma-4 text", "Gemma4TextConfig", "Gemma4ForCausalLM", "mlp",
                           no_streaming="ignored (warned): per-layer inputs, K/V shared across layers",
                           tiny={"head_dim": 8, "global_head_dim": 8, "final_logit_softcapping": 2.0,
                                 "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
-                                "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 128}),
+                                "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 4096}),
     # Tiny MoE: 4 experts, top-2; the auxiliary loss weighted 1.0 so that its gradient counts in the comparisons.
     "mixtral": Family("Mixtral", "MixtralConfig", "MixtralForCausalLM", "moe", _ATTENTION,
                       tiny={"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 1.0}),
