@@ -76,6 +76,9 @@ FAMILIES = {
     "olmo3": {"eos_token_id": 2, "sliding_window": 512},
     "smollm3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     "ministral3": {},
+    # Gemma-4 text: per-layer inputs of 64 (their vocabulary BASE's), full-attention heads of 64, sliding windows.
+    "gemma4_text": {"head_dim": 64, "global_head_dim": 64, "sliding_window": 512, "hidden_size_per_layer_input": 64,
+                    "vocab_size_per_layer_input": 32000},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
     "qwen3_moe": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 512},

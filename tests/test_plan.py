@@ -33,6 +33,21 @@ def test_fake_peak_equals_real_peak(method):
     assert abs(fake - real) <= 0.02 * real, (fake, real)
 
 
+@pytest.mark.parametrize("method", UNSTREAMED)
+def test_fake_peak_equals_real_peak_on_gemma4(method):
+    """Gemma-4 text: per-layer inputs, full-attention heads of their own size (`per_layer_config`), the last two
+    layers' K/V read by the two before (double-wide MLPs there), the logit softcap; planned layer by layer."""
+    config = transformers.Gemma4TextConfig(**dict(TINY, num_hidden_layers=4), head_dim=64, global_head_dim=128,
+                                           layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=128,
+                                           num_kv_shared_layers=2, use_double_wide_mlp=True,
+                                           hidden_size_per_layer_input=64, vocab_size_per_layer_input=8000,
+                                           final_logit_softcapping=30.0)
+    planner = plan.Planner(config, optimizer_in_backward=(method == "vanilla"))
+    fake = planner.step_peak_bytes(method, 512)
+    real = planner.step_peak_bytes(method, 512, fake=False)
+    assert abs(fake - real) <= 0.02 * real, (fake, real)
+
+
 @pytest.mark.parametrize("method", STREAMED)
 def test_fake_peak_equals_real_peak_on_the_generic_streamed_layer(method):
     """Qwen3 streams through the generic layer (streaming_backward/), which runs the planner's stand-in attention
@@ -638,4 +653,10 @@ def test_shallow_stack_falls_back_to_every_layer():
     uneven = phases([1, 5, 6, 7, 7, 9, 3, 4, 4, 2, 1])  # unchecked, only the first middle block (layer 1) is repeated
     assert layer_phases.deepened(uneven, 1, 3, check=False) == uneven[:3] + [uneven[2]] * 3 + uneven[3:9] + [uneven[8]] * 3 + uneven[9:]
     assert plan.Planner(_deep("qwen3_moe", num_hidden_layers=7)).layer_period is None  # layer 0 dense
+    # Gemma-4: the last layer of each attention kind stores its K/V for later layers (or an assistant model) to read,
+    # which read them instead of projecting their own (with double-wide MLPs): no period, every layer runs.
+    for shared in (0, 4):
+        config = _deep("gemma4_text", num_hidden_layers=8, layer_types=["sliding_attention", "full_attention"] * 4,
+                       num_kv_shared_layers=shared, use_double_wide_mlp=True)
+        assert plan.Planner(config).layer_period is None
     assert plan.Planner(_deep("llama", num_hidden_layers=4)).layer_period is None

@@ -243,6 +243,9 @@ class Planner:
             overrides["num_hidden_layers"] = depth
             if getattr(self.config, "layer_types", None) is not None:
                 overrides["layer_types"] = list(self.config.layer_types[:depth])
+            per_layer = self.config.to_dict().get("per_layer_config")  # per-layer shapes (Gemma-4's full attention)
+            if per_layer:
+                overrides["per_layer_config"] = {i: v for i, v in per_layer.items() if int(i) < depth}
         config = self.config.__class__(**{**self.config.to_dict(), **overrides})
         config._attn_implementation = attention_name(self.parallel.sp)
         # bf16 whatever dtype the config.json names (from_config would otherwise follow config.dtype).
@@ -371,10 +374,14 @@ def _decoder_stack(model):
 
 def _layer_signatures(config, layers):
     """What makes two decoder layers alike for the planner: their class, their submodules' classes (a dense MLP or
-    a MoE block), their entry in `layer_types` (sliding or full attention) and their attention's window."""
+    a MoE block), their entry in `layer_types` (sliding or full attention), their attention's window, their
+    parameters' shapes, and whether they share K/V with other layers."""
     layer_types = getattr(config, "layer_types", None) or [None] * len(layers)
+    # Gemma-4: the last layers read K/V that earlier ones stored (no K/V projections of their own, double-wide MLPs).
+    kv_sharing = getattr(config, "kv_sharing_modes", None) or [None] * len(layers)
     return [(type(layer).__name__, tuple((name, type(child).__name__) for name, child in layer.named_children()),
-             layer_types[index], getattr(getattr(layer, "self_attn", None), "sliding_window", None))
+             layer_types[index], getattr(getattr(layer, "self_attn", None), "sliding_window", None),
+             tuple((name, tuple(p.shape)) for name, p in layer.named_parameters()), kv_sharing[index])
             for index, layer in enumerate(layers)]
 
 
