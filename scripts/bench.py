@@ -79,6 +79,11 @@ FAMILIES = {
     # Gemma-4 text: per-layer inputs of 64 (their vocabulary BASE's), full-attention heads of 64, sliding windows.
     "gemma4_text": {"head_dim": 64, "global_head_dim": 64, "sliding_window": 512, "hidden_size_per_layer_input": 64,
                     "vocab_size_per_layer_input": 32000},
+    # Qwen3.5-MoE text: Qwen3.5 text's layers with a MoE block (8 experts, top 2, a gated shared expert) in each.
+    "qwen3_5_moe_text": {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                         "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                         "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
+                         "num_experts_per_tok": 2, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
     "qwen3_moe": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 512},

@@ -68,13 +68,20 @@ def assert_close(actual, expected, rtol=RTOL, what=""):
 # up to 2.1e-5 relative (seeds 3-11; the mini-sequence step: up to 4.0e-5, at seed 5; every other gradient within
 # 1e-6), and against fp64 upstream's fp32 and ours take turns being the closer. Still 40x below bf16's rounding.
 ILL_CONDITIONED_RTOL = {"linear_attn.dt_bias": 1e-4, "linear_attn.A_log": 1e-4}
+# With the router's aux loss (weight 1.0 in the tiny MoE configs) Qwen3.5-MoE's decay-parameter gradients are worse
+# still: upstream's own fp32 step is up to 3.5e-3 from fp64 (seed 21), as far as bf16's rounding, so no tolerance
+# against upstream fp32 means anything there; test_qwen3_5_moe_decay_gradients_as_accurate_as_upstream compares them
+# with fp64 instead, and the aux-loss tests leave them out (`fp64_checked`).
+FP64_CHECKED = {"qwen3_5_moe_text": ("linear_attn.dt_bias", "linear_attn.A_log")}
 
 
-def assert_same_step(result, reference):
+def assert_same_step(result, reference, fp64_checked=()):
     (out, grads, embed_grad), (ref, ref_grads, ref_embed_grad) = result, reference
     assert_close(out.loss, ref.loss, what="loss")
     assert grads.keys() == ref_grads.keys()
     for name in ref_grads:
+        if name.endswith(fp64_checked):
+            continue
         rtol = next((tol for suffix, tol in ILL_CONDITIONED_RTOL.items() if name.endswith(suffix)), RTOL)
         assert_close(grads[name], ref_grads[name], rtol=rtol, what=name)
     if ref_embed_grad is not None:
@@ -284,6 +291,32 @@ def test_gemma3_conditional_generation_streams_images(chunk, monkeypatch):
         assert_close(grads[name], ref_grads[name], what=name)
 
 
+# ----------------------------------------------------------------------------- Qwen3.5-MoE
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_qwen3_5_moe_decay_gradients_as_accurate_as_upstream(checkpointing):
+    """With the router's aux loss, the linear-attention decay parameters' gradients (`FP64_CHECKED`) are as close to
+    fp64 as upstream's fp32 ones (within twice their error; measured ratios 0.5-1.35 over 8 seeds): a lost or
+    half-precision term would be 10x-1000x off. Experts on the eager path, which runs fp64 (grouped_mm does not)."""
+    for seed in (907, 21, 3):
+        inputs = batch(seed)
+
+        def grads(dtype, chunk):
+            model = make_model("qwen3_5_moe_text", mini_sequence_chunk=chunk, experts_implementation="eager").to(dtype)
+            if checkpointing:
+                model.activation_checkpointing_enable()
+            return train_step(model, *inputs, output_router_logits=True)[1]
+
+        fp64, upstream, ours = grads(torch.float64, None), grads(torch.float32, None), grads(torch.float32, 7)
+        checked = [name for name in fp64 if name.endswith(FP64_CHECKED["qwen3_5_moe_text"])]
+        assert len(checked) == 2
+        for name in checked:
+            err, err_up = [((g[name].double() - fp64[name]).abs().max() / fp64[name].abs().max()).item()
+                           for g in (ours, upstream)]
+            assert err <= 2 * err_up + 1e-6, f"seed {seed}, {name}: {err:.2e} from fp64, upstream fp32 {err_up:.2e}"
+
+
 # ----------------------------------------------------------------------------- Gemma-4
 
 # What the released Gemma-4 configs have and the tiny one leaves out: the last layers read the K/V that earlier layers
@@ -362,7 +395,7 @@ def test_moe_exact_with_router_aux_loss(family, chunk):
     inputs = batch(zlib.crc32(f"moe/{family}/{chunk}".encode()) % 1000)
     reference = train_step(make_model(family), *inputs, output_router_logits=True)
     result = train_step(make_model(family, mini_sequence_chunk=chunk), *inputs, output_router_logits=True)
-    assert_same_step(result, reference)
+    assert_same_step(result, reference, FP64_CHECKED.get(family, ()))
     out, ref = result[0], reference[0]
     assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
     assert len(out.router_logits) == len(ref.router_logits) > 0
@@ -379,7 +412,7 @@ def test_moe_aux_loss_under_checkpointing(family):
         model = make_model(family, mini_sequence_chunk=chunk)
         model.activation_checkpointing_enable()
         results.append(train_step(model, *inputs, output_router_logits=True))
-    assert_same_step(results[1], results[0])
+    assert_same_step(results[1], results[0], FP64_CHECKED.get(family, ()))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -512,21 +545,30 @@ def test_moe_eval_router_logits_whole(family):
 # ----------------------------------------------------------------------------- Qwen3.5
 
 
-def test_qwen3_5_checkpoint_through_auto_model_for_causal_lm(tmp_path, caplog):
-    """What a Qwen3.5 user runs: a `qwen3_5` (multimodal) checkpoint loaded by AutoModelForCausalLM, which builds the
-    text stack (Qwen3_5ForCausalLM), with `from_pretrained(path, mini_sequence_chunk=...)`. The chunked loss runs
-    (no logits) and equals the unset step with the Trainer's gradient-accumulation divisor (`num_items_in_batch`);
-    `streaming_backward_chunk` on it is warned about as ignored (its linear-attention layers) and changes nothing."""
-    text = {**COMMON, **NEW_FAMILIES["qwen3_5_text"][2]}
+QWEN3_5_CHECKPOINTS = {  # family: (composite config class, composite model class, the text model AutoModelForCausalLM builds)
+    "qwen3_5_text": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(QWEN3_5_CHECKPOINTS))
+def test_qwen3_5_checkpoint_through_auto_model_for_causal_lm(family, tmp_path, caplog):
+    """What a Qwen3.5 user runs: a `qwen3_5` / `qwen3_5_moe` (multimodal) checkpoint loaded by AutoModelForCausalLM,
+    which builds the text stack (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM), with `from_pretrained(path,
+    mini_sequence_chunk=...)`. The chunked loss runs (no logits) and equals the unset step with the Trainer's
+    gradient-accumulation divisor (`num_items_in_batch`); `streaming_backward_chunk` on it is warned about as ignored
+    (its linear-attention layers) and changes nothing."""
+    config_class, composite_class, text_class = QWEN3_5_CHECKPOINTS[family]
+    text = {**COMMON, **NEW_FAMILIES[family][2]}
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"])
     torch.manual_seed(0)
-    transformers.Qwen3_5ForConditionalGeneration(
-        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(tmp_path)
+    getattr(transformers, composite_class)(
+        getattr(transformers, config_class)(text_config=text, vision_config=vision)).save_pretrained(tmp_path)
     inputs = batch(31)
 
     def step(**fields):
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **fields)
-        assert type(model).__name__ == "Qwen3_5ForCausalLM"
+        assert type(model).__name__ == text_class
         return train_step(model, *inputs, num_items_in_batch=torch.tensor(97))
 
     reference = step()
@@ -535,5 +577,5 @@ def test_qwen3_5_checkpoint_through_auto_model_for_causal_lm(tmp_path, caplog):
     assert_same_step(result, reference)
     with caplog.at_level(logging.WARNING):
         streamed = step(mini_sequence_chunk=7, streaming_backward_chunk=4)
-    assert "qwen3_5_text" in caplog.text and "has no streaming_backward_chunk path" in caplog.text
+    assert family in caplog.text and "has no streaming_backward_chunk path" in caplog.text
     assert_same_step(streamed, result)
