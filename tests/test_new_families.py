@@ -552,6 +552,19 @@ QWEN3_5_CHECKPOINTS = {  # family: (composite config class, composite model clas
 
 
 @pytest.mark.parametrize("family", sorted(QWEN3_5_CHECKPOINTS))
+def test_qwen3_5_composite_config_through_auto_model_for_causal_lm_from_config(family):
+    """`AutoModelForCausalLM.from_config(composite config)` builds the text model from the text config: a field set on
+    the composite's config reaches it (patch 0014's first site in auto_factory.py; upstream dropped it)."""
+    config_class, _, text_class = QWEN3_5_CHECKPOINTS[family]
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"])
+    config = getattr(transformers, config_class)(text_config={**COMMON, **NEW_FAMILIES[family][2]},
+                                                 vision_config=vision, mini_sequence_chunk=7)
+    assert config.get_text_config().mini_sequence_chunk is None
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == text_class and model.config.mini_sequence_chunk == 7
+
+
+@pytest.mark.parametrize("family", sorted(QWEN3_5_CHECKPOINTS))
 def test_qwen3_5_checkpoint_through_auto_model_for_causal_lm(family, tmp_path, caplog):
     """What a Qwen3.5 user runs: a `qwen3_5` / `qwen3_5_moe` (multimodal) checkpoint loaded by AutoModelForCausalLM,
     which builds the text stack (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM), with `from_pretrained(path,
