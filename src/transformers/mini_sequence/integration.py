@@ -142,7 +142,7 @@ def _model_softcapping(model):
     return getattr(model.config, "final_logit_softcapping", None)
 
 
-def _chunked_loss(model, hidden_states, labels, final_logit_softcapping=None, **kwargs):
+def _chunked_loss(model, hidden_states, labels, final_logit_softcapping, **kwargs):
     config = _text_config(model)
     num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
     return mini_sequence_causal_lm_loss(

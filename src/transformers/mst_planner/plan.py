@@ -243,9 +243,6 @@ class Planner:
             overrides["num_hidden_layers"] = depth
             if getattr(self.config, "layer_types", None) is not None:
                 overrides["layer_types"] = list(self.config.layer_types[:depth])
-            per_layer = self.config.to_dict().get("per_layer_config")  # per-layer shapes (Gemma-4's full attention)
-            if per_layer:
-                overrides["per_layer_config"] = {i: v for i, v in per_layer.items() if int(i) < depth}
         config = self.config.__class__(**{**self.config.to_dict(), **overrides})
         config._attn_implementation = attention_name(self.parallel.sp)
         # bf16 whatever dtype the config.json names (from_config would otherwise follow config.dtype).
