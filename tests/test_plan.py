@@ -655,8 +655,9 @@ def test_shallow_stack_falls_back_to_every_layer():
     assert plan.Planner(_deep("qwen3_moe", num_hidden_layers=7)).layer_period is None  # layer 0 dense
     # Gemma-4: the last layer of each attention kind stores its K/V for later layers (or an assistant model) to read,
     # which read them instead of projecting their own (with double-wide MLPs): no period, every layer runs.
+    # (12 layers: deep enough for a shallow stack of 8, which their `per_layer_config` does not fit: it crashed.)
     for shared in (0, 4):
-        config = _deep("gemma4_text", num_hidden_layers=8, layer_types=["sliding_attention", "full_attention"] * 4,
+        config = _deep("gemma4_text", num_hidden_layers=12, layer_types=["sliding_attention", "full_attention"] * 6,
                        num_kv_shared_layers=shared, use_double_wide_mlp=True)
         assert plan.Planner(config).layer_period is None
     assert plan.Planner(_deep("llama", num_hidden_layers=4)).layer_period is None
