@@ -307,7 +307,7 @@ def test_bf16_as_accurate_as_upstream(family):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3", "gemma3_text", "qwen3_5_text", "olmo3", "smollm3",
-                                                    "ministral3"])
+                                                    "ministral3", "deepseek_v3", "glm4_moe"])
 def test_bf16_vocab_sliced_head_as_accurate_as_upstream(family, monkeypatch):
     """A trained bf16 head with more vocabulary rows than tokens (1024 rows, 2 x 100 tokens: N + 128-row slices <
     V) takes the vocabulary-sliced backward (mini_sequence/loss.py), as accurate as upstream bf16 against fp32 from
@@ -344,7 +344,8 @@ def test_bf16_vocab_sliced_head_as_accurate_as_upstream(family, monkeypatch):
 # ----------------------------------------------------------------------------- memory
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3_5_text", "olmo3", "smollm3", "ministral3", "gemma4_text"])
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3_5_text", "olmo3", "smollm3", "ministral3", "gemma4_text",
+                                                    "deepseek_v3", "glm4_moe"])
 def test_no_sequence_sized_intermediate_allocated(family):
     """During a training step with the flag on, no [S, I] or [S, V] tensor is ever allocated.
 

@@ -30,6 +30,13 @@ class Family(NamedTuple):
 
 
 _ATTENTION = ("sdpa", "eager", "flash_attention_2")
+# Routed experts (DeepSeek-V2/V3's, GLM-4.5's): 4 experts in 2 groups, each token's top-2 from its best group, a shared
+# expert beside them.
+_TINY_EXPERTS = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1,
+                 "n_group": 2, "topk_group": 1}
+# Multi-head Latent Attention's sizes (DeepSeek-V2/V3, GLM-4.7-Flash): every head its own keys (no GQA groups).
+_TINY_LATENT = {"num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                "v_head_dim": 8}
 
 FAMILIES = {
     "llama": Family("Llama", "LlamaConfig", "LlamaForCausalLM", "mlp", _ATTENTION, ulysses=True, tiny={}),
@@ -79,6 +86,28 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "moe", _ATTENTION,
                         tiny={"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                               "norm_topk_prob": True, "mlp_only_layers": [0], "router_aux_loss_coef": 1.0}),
+    # OLMoE: Mixtral-style routed experts (64, 8 per token; no shared expert) with the auxiliary loss; OLMo's q/k norms.
+    # Tiny: 4 experts, top-2, the aux loss weighted 1.0.
+    "olmoe": Family("OLMoE", "OlmoeConfig", "OlmoeForCausalLM", "moe", _ATTENTION,
+                    tiny={"eos_token_id": 2, "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 1.0}),
+    # DeepSeek-V2 and -V3: Multi-head Latent Attention (the cache holds the compressed latents, which the streamed
+    # layer meets at its Cache seam like any K/V), routed experts beside shared ones, the first layers dense; no
+    # auxiliary loss in the head. Tiny: layer 0 dense, layer 1 with 4 routed experts (top-2) in 2 groups; V2 without a
+    # query LoRA (V2-Lite), V3 with one.
+    "deepseek_v2": Family("DeepSeek-V2", "DeepseekV2Config", "DeepseekV2ForCausalLM", "moe", _ATTENTION,
+                          tiny={**_TINY_EXPERTS, **_TINY_LATENT, "first_k_dense_replace": 1, "q_lora_rank": None,
+                                "topk_method": "group_limited_greedy"}),
+    "deepseek_v3": Family("DeepSeek-V3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "moe", _ATTENTION,
+                          tiny={**_TINY_EXPERTS, **_TINY_LATENT, "first_k_dense_replace": 1, "q_lora_rank": 16,
+                                "routed_scaling_factor": 2.5}),
+    # GLM-4.5/4.6/4.7 (`glm4_moe`): DeepSeek-V3's MoE with grouped-query attention, partial RoPE and q/k norms.
+    # Tiny: DeepSeek-V3's experts, q/k norms on.
+    "glm4_moe": Family("GLM-4.5", "Glm4MoeConfig", "Glm4MoeForCausalLM", "moe", _ATTENTION,
+                       tiny={**_TINY_EXPERTS, "first_k_dense_replace": 1, "use_qk_norm": True}),
+    # GLM-4.7-Flash (`glm4_moe_lite`): GLM-4.5's MoE with DeepSeek-V3's latent attention.
+    "glm4_moe_lite": Family("GLM-4.7-Flash", "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "moe", _ATTENTION,
+                            tiny={**_TINY_EXPERTS, **_TINY_LATENT, "q_lora_rank": 16,
+                                  "mlp_layer_types": ["dense", "sparse"]}),
     # GPT-OSS: sinks; upstream has no SDPA path, and its FlashAttention needs a kernel with sinks (not flash-attn).
     # Tiny: alternating sliding (window 8) and full attention layers.
     "gpt_oss": Family("GPT-OSS", "GptOssConfig", "GptOssForCausalLM", "moe", ("eager",),
@@ -183,7 +212,7 @@ def model_types(**wanted) -> tuple:
 
 _MINI_SEQUENCE_CELLS = {
     "mlp": "yes",
-    "moe": "yes, MoE blocks (router aux loss exact)",
+    "moe": "yes, MoE blocks (router logits, aux loss exact)",
     "lm_head": "LM head + loss",
     "text_config": "on `text_config`: text MLP and the composite's LM head + loss",
     None: "ignored",

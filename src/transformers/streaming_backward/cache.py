@@ -20,7 +20,10 @@ class _ChunkCache:
 
     is_compileable = False
     # Bool [batch] of FlashAttention rows without a query in the chunk (masks.plan_flash_chunks), or None: their
-    # values are returned as zeros, so their attention output is 0 as upstream's padded rows get.
+    # keys and values are returned as zeros, so their attention output is 0 as upstream's padded rows get (a padded
+    # position's output counts: under left padding it predicts the first real token). Keys too: Multi-head Latent
+    # Attention (DeepSeek-V2/V3) caches latents and expands them into keys and values after the cache by a bias-free
+    # linear map (`kv_b_proj`), so only zero latents give zero values.
     silent_rows = None
     stop = False  # raises StopAfterKeysValues once it has the chunk's K/V: the attention never runs
 
@@ -34,7 +37,8 @@ class _ChunkCache:
         self.updated, self.keys_dtype = True, key_states.dtype
         keys, values = self._update(key_states, value_states)
         if self.silent_rows is not None:
-            values = values.masked_fill(self.silent_rows[:, None, None, None], 0)
+            silent = self.silent_rows[:, None, None, None]
+            keys, values = keys.masked_fill(silent, 0), values.masked_fill(silent, 0)
         return keys, values
 
 
