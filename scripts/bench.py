@@ -55,6 +55,9 @@ from transformers.mst_core.families import FAMILIES as REGISTRY
 from transformers.mst_core.memory import LiveTensorTracker, resident_training_bytes
 from transformers.mst_planner.plan import METHODS, Method  # name -> (mini_sequence_chunk, checkpointing, streaming)
 
+_ROUTED = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "n_shared_experts": 1,
+           "n_group": 2, "topk_group": 1}
+_LATENT = {"kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64}
 # Per family: overrides of BASE (class names: the registry, transformers/mst_core/families.py).
 FAMILIES = {
     "llama": {},
@@ -85,6 +88,14 @@ FAMILIES = {
                          "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
                          "num_experts_per_tok": 2, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    # OLMoE: Mixtral-style experts (8, top 2) of BASE's MLP size. DeepSeek-V2/V3 and the GLM MoE ones: layer 0 dense,
+    # layer 1 with 8 routed experts (top 2, in 2 groups) of 256 and a shared one; latent attention (DeepSeek-V2/V3,
+    # GLM-4.7-Flash) with heads of 64 + 32 rotary dims and latents of 128.
+    "olmoe": {"eos_token_id": 2, "num_experts": 8, "num_experts_per_tok": 2},
+    "deepseek_v2": {**_ROUTED, **_LATENT, "first_k_dense_replace": 1, "q_lora_rank": None},
+    "deepseek_v3": {**_ROUTED, **_LATENT, "first_k_dense_replace": 1, "q_lora_rank": 128},
+    "glm4_moe": {**_ROUTED, "head_dim": 64, "first_k_dense_replace": 1},
+    "glm4_moe_lite": {**_ROUTED, **_LATENT, "q_lora_rank": 128, "mlp_layer_types": ["dense", "sparse"]},
     "qwen3_moe": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 512},
 }

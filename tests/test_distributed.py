@@ -85,6 +85,8 @@ def test_flag_on_trains_like_flag_off(script, wrapper, tmp_path):
         off = results[(family, "off")]
         assert_streamed_as_expected(wrapper, family, "off", off)
         for name, initial in off["initial"].items():
+            if name in off["buffers"]:
+                continue
             # Every weight trained: a gradient reached it (SGD, lr 0.5: the smallest move is ~7e-5).
             assert max_abs_diff(off["state"][name], initial) > 1e-6, (wrapper, family, name, "did not train")
         for variant in [v for v in VARIANTS if v != "off"]:

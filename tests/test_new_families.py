@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 from conftest import run_py
-from tiny_models import COMMON, MOE_FAMILIES, NEW_FAMILIES, make_config, make_model
+from tiny_models import COMMON, MOE_FAMILIES, NEW_FAMILIES, NO_AUX_LOSS, make_config, make_model
 from transformers.mini_sequence import lm_head_chunk_size
 
 SEQ = 40
@@ -387,9 +387,6 @@ def test_gemma4_conditional_generation_with_images():
 # ----------------------------------------------------------------------------- MoE: the auxiliary loss
 
 
-NO_AUX_LOSS = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite"}
-
-
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("chunk", [1, 7, "auto"], ids=str)
 def test_moe_exact_with_router_aux_loss(family, chunk):
@@ -401,8 +398,6 @@ def test_moe_exact_with_router_aux_loss(family, chunk):
     result = train_step(make_model(family, mini_sequence_chunk=chunk), *inputs, output_router_logits=True)
     assert_same_step(result, reference, FP64_CHECKED.get(family, ()))
     out, ref = result[0], reference[0]
-    # DeepSeek-V2/V3 and GLM-4.5's heads add no auxiliary loss (their routers balance by a bias); the router logits
-    # are still recorded, and their gradients flow through the routing weights.
     assert (ref.aux_loss is None) == (family in NO_AUX_LOSS) == (out.aux_loss is None)
     if ref.aux_loss is not None:
         assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")

@@ -477,7 +477,8 @@ def test_seq_len_rejects_bad_lengths(capsys, tiny_config):
 # Total parameters of the released checkpoints, in billions, as their model cards state them; Gemma-3's cards count
 # the SigLIP vision tower too (about 0.4B), the planner plans the text stack: 12.2B -> 11.8B, 27.4B -> 27.0B.
 PUBLISHED_BILLIONS = {"qwen3-14b": 14.8, "qwen3-32b": 32.8, "gemma3-12b": 11.8, "gemma3-27b": 27.0,
-                      "qwen3-30b-a3b": 30.5, "gpt-oss-20b": 20.9, "mixtral-8x7b": 46.7}
+                      "qwen3-30b-a3b": 30.5, "gpt-oss-20b": 20.9, "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.9,
+                      "deepseek-v2-lite": 15.7}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED_BILLIONS))

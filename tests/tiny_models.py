@@ -34,6 +34,9 @@ NEW_FAMILIES = _entries(("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qw
                                 "olmo3", "smollm3", "ministral3", "gemma4_text", "qwen3_5_moe_text", "olmoe", "deepseek_v2",
                                 "deepseek_v3", "glm4_moe", "glm4_moe_lite"))
 MOE_FAMILIES = model_types(mini_sequence="moe")
+# MoE families whose head adds no router auxiliary loss (their routers balance by a bias): the router logits are still
+# recorded with output_router_logits=True, and reach the routers' gradients through the routing weights.
+NO_AUX_LOSS = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite"}
 # State-space families (adjoint sharding).
 SSM_FAMILIES = _entries(model_types(adjoint=True))
 

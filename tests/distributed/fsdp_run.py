@@ -20,7 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from trainer_run import COUNTS, FAMILIES, VARIANTS, build_model, count_recomputation, dataset
+from trainer_run import COUNTS, FAMILIES, VARIANTS, buffer_names, build_model, count_recomputation, dataset
 from leave import leave_process_group  # noqa: E402
 
 STEPS, ACCUMULATION, MICRO_BATCH = 3, 2, 2
@@ -94,6 +94,7 @@ def train(family, variant, wrapper):
     wrap, full_state = WRAPPERS[wrapper]
     model = build_model(family, variant)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    buffers = buffer_names(model)
     trainer_args = dict(VARIANTS[variant][family][1])
     if trainer_args.pop("gradient_checkpointing", False):
         model.gradient_checkpointing_enable()
@@ -118,7 +119,7 @@ def train(family, variant, wrapper):
         gathers.append(GATHERS[0])
     state = {k: v.detach().float().cpu().clone() for k, v in full_state(model).items()}
     return {"losses": losses, "initial": initial, "state": state, "gathers": gathers, **COUNTS,
-            "gradient_checkpointing": checkpointing}
+            "gradient_checkpointing": checkpointing, "buffers": buffers}
 
 
 def main():

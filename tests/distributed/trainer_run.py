@@ -35,7 +35,7 @@ SEQ = 48
 # the router's auxiliary loss (`output_router_logits=True`, coefficient 1.0 there) added.
 FAMILIES = {"llama": dict(tie_word_embeddings=True), "mistral": dict(sliding_window=8), "qwen3": {},
             "mixtral": dict(output_router_logits=True), "qwen3_moe": dict(output_router_logits=True),
-            "gpt_oss": dict(output_router_logits=True)}
+            "gpt_oss": dict(output_router_logits=True), "deepseek_v3": dict(output_router_logits=True)}
 CHUNK = 7  # mini-sequences of 7 tokens: does not divide the 2 x 48 tokens of a micro-batch
 STREAM = 10  # streamed query chunks of 10 tokens: 5 per layer call (the last one 8), longer than Mistral's window
 # Per variant and family: (config overrides, TrainingArguments overrides); "off" is the reference.
@@ -49,6 +49,7 @@ VARIANTS = {
         "mixtral": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), {}),
         "qwen3_moe": (dict(streaming_backward_chunk=STREAM), dict(gradient_checkpointing=True)),
         "gpt_oss": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), {}),
+        "deepseek_v3": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), dict(gradient_checkpointing=True)),
     },
 }
 
@@ -142,6 +143,11 @@ def count_recomputation():
     transformers.modeling_utils.checkpoint = counted("checkpoint_calls", checkpoint)
 
 
+def buffer_names(model):
+    """The state dict's buffers (DeepSeek-V3's routing bias): not trained, so not expected to move."""
+    return {name for name, _ in model.named_buffers()}
+
+
 def train(family, variant, wrapper_name, workdir):
     wrapper_args = {**WRAPPERS[wrapper_name], **VARIANTS[variant][family][1]}
     model = build_model(family, variant)
@@ -162,7 +168,7 @@ def train(family, variant, wrapper_name, workdir):
     state = trainer.accelerator.get_state_dict(model_for_state)
     state = {k: v.detach().float().cpu().clone() for k, v in (state or {}).items()}
     result = {"losses": trainer.losses, "initial": initial, "state": state, **COUNTS,
-              "gradient_checkpointing": model.is_gradient_checkpointing}
+              "gradient_checkpointing": model.is_gradient_checkpointing, "buffers": buffer_names(model)}
     trainer.accelerator.free_memory()
     del trainer, model
     return result

@@ -188,6 +188,30 @@ CHECKPOINTS = {
     "gpt-oss-20b": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
                                     num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
                                     num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False)),
+    # allenai/OLMoE-1B-7B-0924: 64 experts of 1024, 8 per token (16 x 64 x 3 x 2048 x 1024 = 6.4B of its 6.9B).
+    "olmoe-1b-7b": ("olmoe", dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8)),
+    # deepseek-ai/DeepSeek-V2-Lite: latent attention without a query LoRA; layer 0 dense, then 64 routed experts (6
+    # per token) and 2 shared ones of 1408 (26 x 66 x 3 x 2048 x 1408 = 14.8B of its 15.7B).
+    "deepseek-v2-lite": ("deepseek_v2", dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                                             moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                                             num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
+                                             num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512,
+                                             q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                             v_head_dim=128)),
+    # zai-org/GLM-4.5-Air: layer 0 dense, then 128 routed experts (8 per token) and a shared one of 1408
+    # (45 x 129 x 3 x 4096 x 1408 = 100B of its 106B); 96 query heads of 128, 8 K/V heads.
+    "glm-4.5-air": ("glm4_moe", dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+                                     moe_intermediate_size=1408, num_hidden_layers=46, num_attention_heads=96,
+                                     num_key_value_heads=8, head_dim=128, n_routed_experts=128, n_shared_experts=1,
+                                     num_experts_per_tok=8, first_k_dense_replace=1)),
+    # zai-org/GLM-4.7-Flash: latent attention; layer 0 dense, then 64 routed experts (4 per token) and a shared one of
+    # 1536 (46 x 65 x 3 x 2048 x 1536 = 28B of its 30B).
+    "glm-4.7-flash": ("glm4_moe_lite", dict(vocab_size=154880, hidden_size=2048, intermediate_size=10240,
+                                            moe_intermediate_size=1536, num_hidden_layers=47, num_attention_heads=20,
+                                            num_key_value_heads=20, n_routed_experts=64, n_shared_experts=1,
+                                            num_experts_per_tok=4, kv_lora_rank=512, q_lora_rank=768,
+                                            qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256)),
     # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token; no sliding window.
     "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,

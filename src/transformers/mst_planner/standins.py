@@ -26,7 +26,7 @@ class _FlashLikeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, sinks):
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape[:-1] + value.shape[-1:])  # values' head dim (MLA: other than the query's)
         logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(query, key, value, out, logsumexp)
         ctx.sinks = sinks
@@ -77,17 +77,17 @@ class _UlyssesFlashLikeAttention(torch.autograd.Function):
             _send_buffer(t)
             gathered.append(t.new_empty(b, max(h // sp, 1), s * sp, d))
         q, k, v = gathered
-        out_heads = torch.empty_like(q)
+        out_heads = q.new_empty(q.shape[:-1] + v.shape[-1:])
         logsumexp = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out_heads, logsumexp)
         _send_buffer(out_heads)
-        return query.new_empty(query.shape)
+        return query.new_empty(query.shape[:-1] + value.shape[-1:])
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, _, _ = ctx.saved_tensors
         _send_buffer(grad_out)
-        grad_heads = torch.empty_like(q)  # the output gradient for this rank's heads, whole sequence
+        grad_heads = torch.empty_like(ctx.saved_tensors[3])  # the output gradient for this rank's heads, whole sequence
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del grad_heads  # the kernel is done with it
         query_shape, kv_shape = ctx.shapes
