@@ -58,6 +58,20 @@ def test_fake_peak_equals_real_peak_on_the_generic_streamed_layer(method):
     assert abs(fake - real) <= 0.02 * real, (fake, real)
 
 
+@pytest.mark.parametrize("method", list(plan.METHODS))
+def test_fake_peak_equals_real_peak_on_latent_attention(method):
+    """DeepSeek-V3: Multi-head Latent Attention (values of another head size than the queries and keys, the latents in
+    the cache) and MoE blocks with routed and shared experts behind a dense first layer; streamed too."""
+    config = transformers.DeepseekV3Config(**TINY, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96,
+                                           qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                           n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1)
+    planner = plan.Planner(config, optimizer_in_backward=(method == "vanilla"))
+    fake = planner.step_peak_bytes(method, 512)
+    real = planner.step_peak_bytes(method, 512, fake=False)
+    assert abs(fake - real) <= 0.02 * real, (fake, real)
+
+
 def test_importing_the_planner_registers_nothing():
     """The planner's stand-in attention reaches upstream's interfaces only when a plan is built, not on import;
     it tells the streamed layers that it masks offset chunks itself through its own attribute (masks.py)."""

@@ -72,7 +72,9 @@ class OwnKeysCausalBias(CausalBias):
             query, key, value = (tensor.to(dtype) for tensor in (query, key, value))
         if (sizes and query.device.type == "cpu" and splits_on_cpu(query.dtype) and key.shape[-2] > query.shape[-2]
                 and not dropout_p and not is_causal and not enable_gqa
-                and key.shape[:-2] == query.shape[:-2] == value.shape[:-2]):
+                and key.shape[:-2] == query.shape[:-2] == value.shape[:-2]
+                # torch's CPU flash kernel takes one head size; Multi-head Latent Attention's values have their own
+                and query.shape[-1] == key.shape[-1] == value.shape[-1]):
             return _PrefixAndOwnKeysAttention.apply(query, key, value, scale)
         return CausalBias._dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
