@@ -190,7 +190,8 @@ CHECKPOINTS = {
                                     num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False)),
     # allenai/OLMoE-1B-7B-0924: 64 experts of 1024, 8 per token (16 x 64 x 3 x 2048 x 1024 = 6.4B of its 6.9B).
     "olmoe-1b-7b": ("olmoe", dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
-                                  num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8)),
+                                  num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                                  num_experts_per_tok=8)),
     # deepseek-ai/DeepSeek-V2-Lite: latent attention without a query LoRA; layer 0 dense, then 64 routed experts (6
     # per token) and 2 shared ones of 1408 (26 x 66 x 3 x 2048 x 1408 = 14.8B of its 15.7B).
     "deepseek-v2-lite": ("deepseek_v2", dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944,

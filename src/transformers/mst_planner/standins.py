@@ -85,9 +85,9 @@ class _UlyssesFlashLikeAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, _, _ = ctx.saved_tensors
+        q, k, v, out_heads, _ = ctx.saved_tensors
         _send_buffer(grad_out)
-        grad_heads = torch.empty_like(ctx.saved_tensors[3])  # the output gradient for this rank's heads, whole sequence
+        grad_heads = torch.empty_like(out_heads)  # the output gradient for this rank's heads, whole sequence
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del grad_heads  # the kernel is done with it
         query_shape, kv_shape = ctx.shapes

@@ -262,8 +262,8 @@ def plan_flash_chunks(mask, chunks, window, sequence_starts, device):
     its sequences then have consecutive key parts for cu_seq_lens_k. With a [batch, seq] padding mask the window
     counts unpadded tokens (upstream unpads first), so a chunk reads from key 0 there. A batch row with no real
     query in a chunk (all padding there) is named in the third list (a bool [batch] tensor, True = no query): the
-    layer gives it all-ones mask columns and zero keys and values (`_ChunkCache`), so its attention output is 0 as upstream's
-    padded rows get, and no kernel sees an empty query segment (varlen kernels have had bugs with those:
+    layer gives it all-ones mask columns and zero keys and values (`_ChunkCache`), so its attention output is 0 as
+    upstream's padded rows get, and no kernel sees an empty query segment (varlen kernels have had bugs with those:
     Dao-AILab/flash-attention#1537, #2562)."""
     ranges, flash_kwargs, silent_rows = [], [], []
     for start, end in chunks:
