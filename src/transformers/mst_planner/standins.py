@@ -19,6 +19,13 @@ from ..streaming_backward import masks as streamed_masks
 ATTENTION = "mst_planner"  # (a name containing "flash" would send upstream looking for a kernel)
 
 
+def _empty_in_layout_of(tensor, shape):
+    """An empty tensor of `shape` laid out in memory as `tensor` is: the queries are a [B, S, H, D] projection viewed
+    as [B, H, S, D], and a kernel's output laid out so makes the callers' `.transpose(1, 2).contiguous()` free."""
+    physical = sorted(range(tensor.dim()), key=lambda dim: -tensor.stride(dim))
+    return torch.empty_permuted(shape, physical, dtype=tensor.dtype, device=tensor.device)
+
+
 class _FlashLikeAttention(torch.autograd.Function):
     """Memory stand-in for a FlashAttention kernel: allocates its output and the log-sum-exp it
     keeps for backward, and in backward the three input gradients. The values are meaningless
@@ -26,7 +33,7 @@ class _FlashLikeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, sinks):
-        out = query.new_empty(query.shape[:-1] + value.shape[-1:])  # values' head dim (MLA: other than the query's)
+        out = _empty_in_layout_of(query, query.shape[:-1] + value.shape[-1:])  # MLA's values: another head size
         logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(query, key, value, out, logsumexp)
         ctx.sinks = sinks
