@@ -193,8 +193,8 @@ def test_mlp_body_runs_per_mini_sequence(family, monkeypatch):
 # scalar): the recompute has to run the whole layer, the chunked MLP included, before the MLP's backward rebuilds
 # each chunk once more (3 passes; measured 2 with both taken out of the layer; docs/limits.md).
 MLP_RUNS_WITH_CHECKPOINTING = {"qwen3": 2.0, "phi3": 2.0, "olmo2": 2.0, "gemma3_text": 2.0, "olmo3": 2.0, "smollm3": 2.0,
-                               "ministral3": 2.0, "gemma4_text": 3.0, "deepseek_v2": 2.0, "deepseek_v3": 2.0, "glm4_moe": 2.0,
-                               "glm4_moe_lite": 2.0}  # the MoE families' dense layer 0
+                               "ministral3": 2.0, "gemma4_text": 3.0, "deepseek_v2": 2.0, "deepseek_v3": 2.0,
+                               "glm4_moe": 2.0, "glm4_moe_lite": 2.0}  # the MoE families' dense layer 0
 
 
 @pytest.mark.parametrize("family", sorted(MLP_RUNS_WITH_CHECKPOINTING))
@@ -387,6 +387,13 @@ def test_gemma4_conditional_generation_with_images():
 # ----------------------------------------------------------------------------- MoE: the auxiliary loss
 
 
+def assert_same_aux_loss(family, out, ref):
+    """The router aux loss, where the family's head adds one (none for NO_AUX_LOSS, as upstream), equal."""
+    assert (ref.aux_loss is None) == (family in NO_AUX_LOSS) == (out.aux_loss is None)
+    if ref.aux_loss is not None:
+        assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("chunk", [1, 7, "auto"], ids=str)
 def test_moe_exact_with_router_aux_loss(family, chunk):
@@ -398,9 +405,7 @@ def test_moe_exact_with_router_aux_loss(family, chunk):
     result = train_step(make_model(family, mini_sequence_chunk=chunk), *inputs, output_router_logits=True)
     assert_same_step(result, reference, FP64_CHECKED.get(family, ()))
     out, ref = result[0], reference[0]
-    assert (ref.aux_loss is None) == (family in NO_AUX_LOSS) == (out.aux_loss is None)
-    if ref.aux_loss is not None:
-        assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
+    assert_same_aux_loss(family, out, ref)
     assert len(out.router_logits) == len(ref.router_logits) > 0
     for layer, (logits, ref_logits) in enumerate(zip(out.router_logits, ref.router_logits)):
         assert logits.shape == ref_logits.shape
@@ -450,7 +455,7 @@ def test_moe_checkpointing_routes_each_token_twice(family, aux, monkeypatch):
 # 16 experts, each as large as the dense MLP, in each family's own fields (Mixtral's and GPT-OSS's by default).
 _ROUTED_16 = dict(n_routed_experts=16, moe_intermediate_size=256)
 LARGE_EXPERTS = {"qwen3_moe": dict(num_experts=16, moe_intermediate_size=256), "olmoe": dict(num_experts=16),
-                 "deepseek_v2": _ROUTED_16, "deepseek_v3": _ROUTED_16, "glm4_moe": _ROUTED_16, "glm4_moe_lite": _ROUTED_16}
+                 **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite"), _ROUTED_16)}
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -528,7 +533,7 @@ def test_moe_block_runs_per_mini_sequence(family):
     router = block.router if hasattr(block, "router") else block.gate
     seen = []
     # DeepSeek's routers take [batch, chunk, d] and flatten it themselves
-    router.register_forward_hook(lambda module, args, output: seen.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    router.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[:-1].numel()))
     input_ids, attention_mask, labels = batch(23)
     train_step(model, input_ids, attention_mask, labels, output_router_logits=True)
     bsz = input_ids.shape[0]
@@ -546,9 +551,7 @@ def test_moe_eval_router_logits_whole(family):
             input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True
         )
     assert_close(out.logits, ref.logits, what="logits")
-    assert (ref.aux_loss is None) == (family in NO_AUX_LOSS) == (out.aux_loss is None)
-    if ref.aux_loss is not None:
-        assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
+    assert_same_aux_loss(family, out, ref)
     assert [r.shape for r in out.router_logits] == [r.shape for r in ref.router_logits]
     for logits, ref_logits in zip(out.router_logits, ref.router_logits):
         assert_close(logits, ref_logits, what="router_logits")
