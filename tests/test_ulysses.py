@@ -28,13 +28,26 @@ CASES = {
     "qwen3_window": "family=qwen3,case=window",  # q/k norms; layer 0 full, layer 1 sliding (8)
     "gemma3_window": "family=gemma3_text,case=window",  # layer 0 sliding (8), layer 1 full; sandwich norms
     "phi3_packed": "family=phi3,case=packed",  # fused qkv_proj and gate_up_proj
+    "olmo2_padding": "family=olmo2,case=padding",  # q/k norms over all heads (before the all-to-all)
+    "olmo3_window": "family=olmo3,case=window",  # layer 0 sliding (8), layer 1 full; post-norms
+    "smollm3_packed": "family=smollm3,case=packed",  # layer 1 without rotary embeddings (NoPE)
+    "ministral3_padding": "family=ministral3,case=padding",  # queries scaled by their position
+    # MoE blocks route each token alone, so they run on each rank's shard as on the whole sequence.
+    "mixtral_window": "family=mixtral,case=window",  # sliding_window=8
+    "qwen3_moe_packed": "family=qwen3_moe,case=packed",  # layer 0 dense, layer 1 sparse
+    "olmoe_padding": "family=olmoe,case=padding",
+    "glm4_moe_packed": "family=glm4_moe,case=packed",  # shared expert, group-limited sigmoid routing
 }
 # mini_sequence_chunk=4 (flag on) in one ZeRO stage, unset in the other, per case.
 SP_RUNS = {
     2: {"window": "", "qwen2_window": ",chunk=4", "packed": ",chunk=4", "padding": "", "qwen3_window": ",chunk=4",
-        "gemma3_window": "", "phi3_packed": ""},
+        "gemma3_window": "", "phi3_packed": "", "olmo2_padding": ",chunk=4", "olmo3_window": "",
+        "smollm3_packed": ",chunk=4", "ministral3_padding": "", "mixtral_window": ",chunk=4", "qwen3_moe_packed": "",
+        "olmoe_padding": ",chunk=4", "glm4_moe_packed": ""},
     3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4", "qwen3_window": "",
-        "gemma3_window": ",chunk=4", "phi3_packed": ",chunk=4"},
+        "gemma3_window": ",chunk=4", "phi3_packed": ",chunk=4", "olmo2_padding": "", "olmo3_window": ",chunk=4",
+        "smollm3_packed": "", "ministral3_padding": ",chunk=4", "mixtral_window": "", "qwen3_moe_packed": ",chunk=4",
+        "olmoe_padding": "", "glm4_moe_packed": ",chunk=4"},
 }
 
 
@@ -84,9 +97,12 @@ def test_sp2_refuses_what_it_cannot_make_exact(tmp_path):
         "indivisible:family=mistral,seq=31",  # 31 tokens over sp=2
         "eager:family=mistral,attn=eager",  # Ulysses cannot run eager attention (accelerate refuses it)
         "other_family:family=gemma",  # a model type outside the registry: its masks are not rebuilt
+        "aux_loss:family=olmoe,aux=1",  # tiny: weight 1.0; the aux loss of a shard is not the whole sequence's
     ]
     results = torchrun(2, 2, specs, tmp_path, "errors")
     assert "isn't divisible by sp-size=2" in results["indivisible"].get("error", ""), results["indivisible"]
     assert "Invalid sp_attn_implementation: eager" in results["eager"].get("error", ""), results["eager"]
     err = results["other_family"].get("error", "")
     assert err.startswith("ValueError") and "'gemma'" in err and "model_type in" in err, results["other_family"]
+    err = results["aux_loss"].get("error", "")
+    assert err.startswith("ValueError") and "router_aux_loss_coef=1.0" in err, results["aux_loss"]

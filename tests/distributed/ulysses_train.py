@@ -2,7 +2,7 @@
 
 Run by tests/test_ulysses.py through `torchrun --nproc_per_node N` with DS_ACCELERATOR=cpu:
 `--sp 1` under one process is the reference, `--sp 2` under two processes the Ulysses run. Each
-`--spec NAME:KEY=VALUE,...` is one Trainer run (keys: family, case, zero, chunk, attn, seq, steps),
+`--spec NAME:KEY=VALUE,...` is one Trainer run (keys: family, case, zero, chunk, attn, seq, steps, aux),
 run one after the other in the same processes to save start-up time. A run that raises records
 its error message instead of losses. Rank 0 writes {NAME: {"loss": [...], "grad_norm": [...]} or
 {"error": "..."}} as JSON to --out.
@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from leave import leave_process_group  # noqa: E402
 
-DEFAULTS = dict(family="mistral", case="window", zero=2, chunk=None, attn="sdpa", seq=32, steps=3)
+# aux=1: the MoE head adds the router's auxiliary loss (output_router_logits=True).
+DEFAULTS = dict(family="mistral", case="window", zero=2, chunk=None, attn="sdpa", seq=32, steps=3, aux=0)
 
 
 def samples(case, seq, n, vocab, seed=1):
@@ -59,8 +60,14 @@ def train(spec, sp, workdir):
     from tiny_models import make_model
 
     overrides = {"mini_sequence_chunk": spec["chunk"], "attn_implementation": spec["attn"]}
-    if spec["family"] in ("mistral", "gemma2"):  # gemma2: every other layer slides
+    if spec["family"] in ("mistral", "gemma2", "mixtral"):  # gemma2: every other layer slides
         overrides["sliding_window"] = 8  # smaller than the sequence and than each rank's shard
+    if spec["family"] == "mixtral":
+        # DeepSpeed 0.19.8 reads config.head_dim, which MixtralConfig leaves None (its TypeError, before any step,
+        # is what a user sees without it); the attention computes the same hidden_size // num_attention_heads.
+        overrides["head_dim"] = 8
+    if spec["aux"]:
+        overrides["output_router_logits"] = True
     if spec["family"] == "qwen2":  # sliding layers from layer 1 on
         overrides.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
     if spec["family"] == "qwen3":  # sliding layers from layer 1 on

@@ -22,7 +22,9 @@ class Family(NamedTuple):
     # layer's own forward per query chunk, streaming_backward/); () where the field is not supported.
     streaming_attention: tuple = ()
     no_streaming: str = "ignored"  # the README's word where streaming_attention is ()
-    ulysses: bool = False  # Ulysses rebuilds this family's whole-sequence masks exactly
+    # Ulysses rebuilds this family's whole-sequence masks exactly, and the rest of its layers works token by token
+    # (MoE routing; rotary embeddings and query scaling from each rank's position_ids); tests/test_ulysses.py runs each.
+    ulysses: bool = False
     adjoint: bool = False  # adjoint_sharding_chunk / adjoint_truncation
     # The tests' tiny model: these values over TINY (TINY_SSM for state-space models); None where the tests build it
     # from another family's (Gemma-3 multimodal around gemma3_text's).
@@ -48,7 +50,8 @@ FAMILIES = {
     "qwen3": Family("Qwen3", "Qwen3Config", "Qwen3ForCausalLM", "mlp", _ATTENTION, ulysses=True, tiny={"head_dim": 8}),
     "phi3": Family("Phi-3", "Phi3Config", "Phi3ForCausalLM", "mlp", _ATTENTION, ulysses=True,
                    tiny={"bos_token_id": 1, "eos_token_id": 2}),
-    "olmo2": Family("OLMo-2", "Olmo2Config", "Olmo2ForCausalLM", "mlp", _ATTENTION, tiny={"eos_token_id": 2}),
+    "olmo2": Family("OLMo-2", "Olmo2Config", "Olmo2ForCausalLM", "mlp", _ATTENTION, ulysses=True,
+                    tiny={"eos_token_id": 2}),
     # Tiny: a sliding window (8) shorter than the test sequences, on one layer of two; a softcap (2.0) that bends the
     # tiny logits (at 30 a softcap left out of the chunked loss moved the gradients by only ~3e-5).
     "gemma3_text": Family("Gemma-3 text", "Gemma3TextConfig", "Gemma3ForCausalLM", "mlp", _ATTENTION, ulysses=True,
@@ -56,15 +59,15 @@ FAMILIES = {
                                 "layer_types": ["sliding_attention", "full_attention"]}),
     # OLMo-3: OLMo-2's post-norm layers with sliding-window layers (3 to 1). Tiny: a window (8) shorter than the test
     # sequences on one layer of two.
-    "olmo3": Family("OLMo-3", "Olmo3Config", "Olmo3ForCausalLM", "mlp", _ATTENTION,
+    "olmo3": Family("OLMo-3", "Olmo3Config", "Olmo3ForCausalLM", "mlp", _ATTENTION, ulysses=True,
                     tiny={"eos_token_id": 2, "sliding_window": 8,
                           "layer_types": ["sliding_attention", "full_attention"]}),
     # SmolLM3: Llama layers, some without rotary embeddings (NoPE). Tiny: layer 1 of 2 is NoPE.
-    "smollm3": Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", "mlp", _ATTENTION,
+    "smollm3": Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM", "mlp", _ATTENTION, ulysses=True,
                       tiny={"bos_token_id": 1, "eos_token_id": 2, "no_rope_layers": [1, 0]}),
     # Ministral-3: Mistral layers whose queries are scaled by position (Llama-4's attention scaling). Tiny: the
     # scaling steps every 8 positions, so it varies along the test sequences (the released step is 16384).
-    "ministral3": Family("Ministral-3", "Ministral3Config", "Ministral3ForCausalLM", "mlp", _ATTENTION,
+    "ministral3": Family("Ministral-3", "Ministral3Config", "Ministral3ForCausalLM", "mlp", _ATTENTION, ulysses=True,
                          tiny={"rope_parameters": {"type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
                                                    "original_max_position_embeddings": 8, "beta_fast": 32.0,
                                                    "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
@@ -80,15 +83,15 @@ FAMILIES = {
                                 "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                                 "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 4096}),
     # Tiny MoE: 4 experts, top-2; the auxiliary loss weighted 1.0 so that its gradient counts in the comparisons.
-    "mixtral": Family("Mixtral", "MixtralConfig", "MixtralForCausalLM", "moe", _ATTENTION,
+    "mixtral": Family("Mixtral", "MixtralConfig", "MixtralForCausalLM", "moe", _ATTENTION, ulysses=True,
                       tiny={"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 1.0}),
     # Tiny: layer 0 dense (Qwen3MoeMLP), layer 1 sparse.
-    "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "moe", _ATTENTION,
+    "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "moe", _ATTENTION, ulysses=True,
                         tiny={"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                               "norm_topk_prob": True, "mlp_only_layers": [0], "router_aux_loss_coef": 1.0}),
     # OLMoE: Mixtral-style routed experts (64, 8 per token; no shared expert) with the auxiliary loss; OLMo's q/k norms.
     # Tiny: 4 experts, top-2, the aux loss weighted 1.0.
-    "olmoe": Family("OLMoE", "OlmoeConfig", "OlmoeForCausalLM", "moe", _ATTENTION,
+    "olmoe": Family("OLMoE", "OlmoeConfig", "OlmoeForCausalLM", "moe", _ATTENTION, ulysses=True,
                     tiny={"eos_token_id": 2, "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 1.0}),
     # DeepSeek-V2 and -V3: Multi-head Latent Attention (the cache holds the compressed latents, which the streamed
     # layer meets at its Cache seam like any K/V), routed experts beside shared ones, the first layers dense; no
@@ -102,7 +105,7 @@ FAMILIES = {
                                 "routed_scaling_factor": 2.5}),
     # GLM-4.5/4.6/4.7 (`glm4_moe`): DeepSeek-V3's MoE with grouped-query attention, partial RoPE and q/k norms.
     # Tiny: DeepSeek-V3's experts, q/k norms on.
-    "glm4_moe": Family("GLM-4.5", "Glm4MoeConfig", "Glm4MoeForCausalLM", "moe", _ATTENTION,
+    "glm4_moe": Family("GLM-4.5", "Glm4MoeConfig", "Glm4MoeForCausalLM", "moe", _ATTENTION, ulysses=True,
                        tiny={**_TINY_EXPERTS, "first_k_dense_replace": 1, "use_qk_norm": True}),
     # GLM-4.7-Flash (`glm4_moe_lite`): GLM-4.5's MoE with DeepSeek-V3's latent attention.
     "glm4_moe_lite": Family("GLM-4.7-Flash", "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "moe", _ATTENTION,

@@ -45,7 +45,7 @@ class UlyssesMask:
         self._full_padding = None
         self._built = {}
 
-    # Code that only inspects a mask's shape or device (none of the four families does) fails loudly.
+    # Code that only inspects a mask's shape or device (no family with `ulysses=True` does) fails loudly.
     def __repr__(self):
         return f"UlyssesMask(local_len={self.q_length}, padding={'yes' if self.padding is not None else 'no'})"
 
@@ -60,6 +60,18 @@ class UlyssesMask:
                 f"Ulysses sequence parallelism (sp_size={uattn.world_size}): transformers-mst rebuilds the attention "
                 f"mask of the whole sequence only for model_type in {SUPPORTED_MODEL_TYPES}; got {model_type!r}, "
                 "whose mask it cannot reproduce exactly. Train it without sequence parallelism."
+            )
+        if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+            # Each rank's head would compute the router's auxiliary (load-balancing) loss from its own shard's
+            # tokens; that loss is not linear in the tokens, so the ranks' shares do not add up to the whole
+            # sequence's.
+            raise ValueError(
+                f"Ulysses sequence parallelism (sp_size={uattn.world_size}) with output_router_logits=True and "
+                f"router_aux_loss_coef={config.router_aux_loss_coef}: each rank would add the router's auxiliary "
+                "loss of its own shard of tokens, which is not the whole sequence's (the loss and its gradients "
+                "would differ from one process). Set output_router_logits=False (the router logits are then not "
+                "returned and no auxiliary loss is added) or router_aux_loss_coef=0, or train without sequence "
+                "parallelism."
             )
         q_len = query.shape[-2]
         gathered = q_len != self.q_length
