@@ -87,6 +87,10 @@ FAMILIES = {
                          "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                          "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
                          "num_experts_per_tok": 2, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
+    # Qwen3-Next: the same layers and MoE blocks (Qwen3.5-MoE's forerunner).
+    "qwen3_next": {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
     # OLMoE: Mixtral-style experts (8, top 2) of BASE's MLP size. DeepSeek-V2/V3 and the GLM MoE ones: layer 0 dense,
     # layer 1 with 8 routed experts (top 2, in 2 groups) of 256 and a shared one; latent attention (DeepSeek-V2/V3,

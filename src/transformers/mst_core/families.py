@@ -125,6 +125,16 @@ FAMILIES = {
                            tiny={"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                                  "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                                  "layer_types": ["linear_attention", "full_attention"]}),
+    # Qwen3-Next (`qwen3_next`): Qwen3.5-MoE's forerunner, the same Gated DeltaNet and gated full-attention layers (3 to
+    # 1) with a MoE block (routed experts and a gated shared expert) in every layer. Not streamed, as Qwen3.5 text.
+    # Tiny: Qwen3.5-MoE text's.
+    "qwen3_next": Family("Qwen3-Next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "moe",
+                         no_streaming="ignored (warned): linear-attention layers",
+                         tiny={"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                               "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                               "layer_types": ["linear_attention", "full_attention"], "num_experts": 4,
+                               "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                               "shared_expert_intermediate_size": 16, "router_aux_loss_coef": 1.0}),
     # Qwen3.5-MoE's text stack (`Qwen3_5MoeForCausalLM`, also what AutoModelForCausalLM builds from a `qwen3_5_moe`
     # checkpoint): Qwen3.5's layers with a MoE block (routed experts and a gated shared expert) in every layer. Not
     # streamed, as Qwen3.5 text. Tiny: one layer of each kind, 4 experts, top-2, the aux loss weighted 1.0.
