@@ -57,6 +57,8 @@ from transformers.mst_planner.plan import METHODS, Method  # name -> (mini_seque
 
 _ROUTED = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "n_shared_experts": 1,
            "n_group": 2, "topk_group": 1}
+_INDEXER = {"q_lora_rank": 128, "mlp_layer_types": ["dense", "sparse"], "index_topk": 2048, "index_head_dim": 64,
+            "index_n_heads": 4}
 _LATENT = {"kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64}
 # Per family: overrides of BASE (class names: the registry, transformers/mst_core/families.py).
 FAMILIES = {
@@ -100,6 +102,10 @@ FAMILIES = {
     "deepseek_v3": {**_ROUTED, **_LATENT, "first_k_dense_replace": 1, "q_lora_rank": 128},
     "glm4_moe": {**_ROUTED, "head_dim": 64, "first_k_dense_replace": 1},
     "glm4_moe_lite": {**_ROUTED, **_LATENT, "q_lora_rank": 128, "mlp_layer_types": ["dense", "sparse"]},
+    # DeepSeek-V3.2 and GLM-5: GLM-4.7-Flash's layers with DeepSeek Sparse Attention (an indexer of 4 heads of 64
+    # keeping each query's 2048 best keys).
+    "deepseek_v32": {**_ROUTED, **_LATENT, **_INDEXER},
+    "glm_moe_dsa": {**_ROUTED, **_LATENT, **_INDEXER},
     "qwen3_moe": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 512},
 }

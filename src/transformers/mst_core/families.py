@@ -39,6 +39,9 @@ _TINY_EXPERTS = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermedi
 # Multi-head Latent Attention's sizes (DeepSeek-V2/V3, GLM-4.7-Flash): every head its own keys (no GQA groups).
 _TINY_LATENT = {"num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
                 "v_head_dim": 8}
+# DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a query LoRA, layer 0 dense, and an indexer keeping 8 keys per query.
+_TINY_INDEXER = {"q_lora_rank": 16, "mlp_layer_types": ["dense", "sparse"], "index_topk": 8, "index_head_dim": 8,
+                 "index_n_heads": 2}
 
 FAMILIES = {
     "llama": Family("Llama", "LlamaConfig", "LlamaForCausalLM", "mlp", _ATTENTION, ulysses=True, tiny={}),
@@ -111,6 +114,17 @@ FAMILIES = {
     "glm4_moe_lite": Family("GLM-4.7-Flash", "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "moe", _ATTENTION,
                             tiny={**_TINY_EXPERTS, **_TINY_LATENT, "q_lora_rank": 16,
                                   "mlp_layer_types": ["dense", "sparse"]}),
+    # DeepSeek-V3.2 and GLM-5 (`glm_moe_dsa`): DeepSeek-V3's and GLM-4.7-Flash's layers with DeepSeek Sparse Attention,
+    # an indexer that picks each query's top-k keys. Not streamed: the indexer keeps its own keys in the cache
+    # (`update_indexer`), which the streamed layer's cache does not hold. Its top-k is not differentiable, so its
+    # weights get no gradient, upstream's neither. Tiny: GLM-4.7-Flash's, with an indexer keeping 8 keys per query
+    # (fewer than the test sequences) over 2 heads of 8.
+    "deepseek_v32": Family("DeepSeek-V3.2", "DeepseekV32Config", "DeepseekV32ForCausalLM", "moe",
+                           no_streaming="ignored (warned): sparse attention's indexer",
+                           tiny={**_TINY_EXPERTS, **_TINY_LATENT, **_TINY_INDEXER}),
+    "glm_moe_dsa": Family("GLM-5", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "moe",
+                          no_streaming="ignored (warned): sparse attention's indexer",
+                          tiny={**_TINY_EXPERTS, **_TINY_LATENT, **_TINY_INDEXER}),
     # GPT-OSS: sinks; upstream has no SDPA path, and its FlashAttention needs a kernel with sinks (not flash-attn).
     # Tiny: alternating sliding (window 8) and full attention layers.
     "gpt_oss": Family("GPT-OSS", "GptOssConfig", "GptOssForCausalLM", "moe", ("eager",),
