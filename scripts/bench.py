@@ -106,6 +106,9 @@ FAMILIES = {
     # keeping each query's 2048 best keys).
     "deepseek_v32": {**_ROUTED, **_LATENT, **_INDEXER},
     "glm_moe_dsa": {**_ROUTED, **_LATENT, **_INDEXER},
+    # Llama-4 text: a MoE block in every layer (Scout's layout) whose 8 experts of 256 see every token, scaled by its
+    # top-1 router score, beside a shared expert of 256; chunked attention (chunks of 1024) on its rotary layers.
+    "llama4_text": {"head_dim": 64, "num_local_experts": 8, "intermediate_size": 256, "attention_chunk_size": 1024},
     "qwen3_moe": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 512},
 }

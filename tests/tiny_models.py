@@ -32,11 +32,12 @@ FAMILIES = _entries(("llama", "qwen2", "mistral", "gemma2"))
 # The newer families (5.24.0+mst.9): tests/test_new_families.py, tests/test_streaming_families.py.
 NEW_FAMILIES = _entries(("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_text",
                                 "olmo3", "smollm3", "ministral3", "gemma4_text", "qwen3_5_moe_text", "qwen3_next", "olmoe",
-                                "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"))
+                                "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
+                                "llama4_text"))
 MOE_FAMILIES = model_types(mini_sequence="moe")
 # MoE families whose head adds no router auxiliary loss (their routers balance by a bias): the router logits are still
 # recorded with output_router_logits=True, and reach the routers' gradients through the routing weights.
-NO_AUX_LOSS = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"}
+NO_AUX_LOSS = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "llama4_text"}
 # State-space families (adjoint sharding).
 SSM_FAMILIES = _entries(model_types(adjoint=True))
 

@@ -65,10 +65,11 @@ def mlp_then_norm(mlp, norm, hidden_states):
     return mini_sequence_mlp_then_norm(mlp, norm, hidden_states, chunk_size)
 
 
-def moe_forward(block, hidden_states):
+def moe_forward(block, hidden_states, tokens_flattened=False):
     """A sparse MoE block (Mixtral, Qwen3-MoE, GPT-OSS) on `hidden_states` one mini-sequence of tokens at a time,
     or None (run upstream's body), as `mlp_forward`; moe.py records the router logits once, whole. Router jitter
-    noise in training draws a different noise per chunk than over the whole sequence, so such a block runs unsplit."""
+    noise in training draws a different noise per chunk than over the whole sequence, so such a block runs unsplit.
+    `tokens_flattened`: the block returns its output as [batch * S, d], token-major (Llama-4's), not [..., S, d]."""
     config = block.config
     if not enabled(config) or inside_streamed_chunk():
         return None
@@ -81,7 +82,7 @@ def moe_forward(block, hidden_states):
             "run unsplit (chunks would draw other noise than the whole sequence). The rest stays chunked."
         )
         return None
-    return mini_sequence_moe(block, hidden_states, chunk_size)
+    return mini_sequence_moe(block, hidden_states, chunk_size, tokens_flattened)
 
 
 def final_norm(model, hidden_states):

@@ -1,4 +1,4 @@
-"""Sparse MoE blocks (Mixtral, Qwen3-MoE, GPT-OSS) by mini-sequences of tokens.
+"""Sparse MoE blocks (Mixtral, Qwen3-MoE, GPT-OSS, Llama-4, ...) by mini-sequences of tokens.
 
 Routing is token-wise (each token's top-k experts and weights depend on that token only), so running the block's
 own upstream `forward` on chunks of the sequence gives the same output and gradients. The chunks run through the
@@ -53,13 +53,21 @@ def _merged_outputs(chunks: list, batch_shape: torch.Size) -> tuple:
     return (torch.cat(first, dim=-2), *(token_major(list(parts), batch_shape) for parts in rest))
 
 
-def _chunk_forward(recording: bool, block, chunk: torch.Tensor):
+def _chunk_forward(recording: bool, tokens_flattened: bool, block, chunk: torch.Tensor):
     """The block's own forward on one chunk; while the model records router logits, with this chunk's logits as one
-    more output (the router's hook appends them to the collector set here, in forward and in the rebuild alike)."""
+    more output (the router's hook appends them to the collector set here, in forward and in the rebuild alike).
+    A block that flattens its output (`tokens_flattened`) has it laid out as the chunk here, [..., C, d], as the
+    chunked paths join the first output along the sequence."""
     chunk = chunk.contiguous()  # the blocks flatten their input with `.view(-1, hidden)`, which a slice refuses
     if not recording:
-        return module_forward(block, chunk)
-    return _side_effects_allowed(_recorded_chunk_forward, block, chunk)
+        outputs = module_forward(block, chunk)
+    else:
+        outputs = _side_effects_allowed(_recorded_chunk_forward, block, chunk)
+    if not tokens_flattened:
+        return outputs
+    first, *rest = _as_outputs(outputs)
+    first = first.view(*chunk.shape[:-1], first.shape[-1])  # [batch * C, d] in (batch, position) order
+    return (first, *rest) if rest else first
 
 
 def _recorded_chunk_forward(block, chunk):
@@ -74,12 +82,13 @@ def _recorded_chunk_forward(block, chunk):
     return (*outputs, logits[0])
 
 
-def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int):
+def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int, tokens_flattened: bool = False):
     """`block(hidden_states)` [..., S, d] one mini-sequence of `chunk_size` tokens at a time, with the router
-    logits recorded once, whole (see the module docstring)."""
+    logits recorded once, whole (see the module docstring). With `tokens_flattened`, the output is [batch * S, d],
+    as the block returns it."""
     collector = output_capturing._active_collector.get()
     recording = collector is not None and ROUTER_LOGITS in collector
-    forward_fn = functools.partial(_chunk_forward, recording)
+    forward_fn = functools.partial(_chunk_forward, recording, tokens_flattened)
     if not torch.is_grad_enabled():
         outputs = _as_outputs(_forward_chunks(forward_fn, block, hidden_states, chunk_size))
     elif (params := function_parameters(block, harmless_hook=_records_router_logits)) is not None:
@@ -93,4 +102,6 @@ def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int):
     if recording:
         collector[ROUTER_LOGITS].append(outputs[-1])
         outputs = outputs[:-1]
+    if tokens_flattened:
+        outputs = (outputs[0].reshape(-1, outputs[0].shape[-1]), *outputs[1:])
     return outputs[0] if len(outputs) == 1 else outputs

@@ -125,6 +125,19 @@ FAMILIES = {
     "glm_moe_dsa": Family("GLM-5", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "moe",
                           no_streaming="ignored (warned): sparse attention's indexer",
                           tiny={**_TINY_EXPERTS, **_TINY_LATENT, **_TINY_INDEXER}),
+    # Llama-4 text (`Llama4ForCausalLM`, what AutoModelForCausalLM builds from a `llama4` checkpoint): MoE blocks
+    # whose experts see every token scaled by its router score (top-1 in the releases) beside a shared expert, dense
+    # MLPs on interleaved layers (Maverick), chunked attention on the rotary layers and NoPE layers whose queries are
+    # scaled by position; no aux loss in the head. Not streamed: the streamed layer builds causal and sliding-window
+    # masks for its query chunks, not chunked-attention ones (tried: the chunked layer's q_proj gradient came out 4e-4
+    # off). Tiny: layer 0 dense with chunked attention (chunks of 8), layer 1 MoE (4 experts of 16) and NoPE, its
+    # query scale stepping every 4 positions (the released step is 8192).
+    "llama4_text": Family("Llama-4 text", "Llama4TextConfig", "Llama4ForCausalLM", "moe",
+                          no_streaming="ignored (warned): chunked-attention layers",
+                          tiny={"head_dim": 8, "num_local_experts": 4, "intermediate_size": 16,
+                                "intermediate_size_mlp": 64, "interleave_moe_layer_step": 2,
+                                "no_rope_layer_interval": 2, "attention_chunk_size": 8, "floor_scale": 4,
+                                "bos_token_id": 1, "eos_token_id": 2}),
     # GPT-OSS: sinks; upstream has no SDPA path, and its FlashAttention needs a kernel with sinks (not flash-attn).
     # Tiny: alternating sliding (window 8) and full attention layers.
     "gpt_oss": Family("GPT-OSS", "GptOssConfig", "GptOssForCausalLM", "moe", ("eager",),
