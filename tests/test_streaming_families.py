@@ -18,7 +18,7 @@ CHUNKS = [1, 7, SEQ - 1, SEQ + 5]
 # The newer streamed families, with tests/tiny_models.py's tiny configs (GPT-OSS: alternating windows, sinks).
 GENERIC_FAMILIES = {f: NEW_FAMILIES[f] for f in ("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss",
                                                  "olmo3", "smollm3", "ministral3", "olmoe", "deepseek_v2",
-                                                 "deepseek_v3", "glm4_moe", "glm4_moe_lite")}
+                                                 "deepseek_v3", "glm4_moe", "glm4_moe_lite", "llama4_text")}
 # Upstream has no SDPA path for these (Gemma-2: soft-capped attention; GPT-OSS: sinks), and GPT-OSS's
 # FlashAttention needs a kernel with sinks (flash-attn has none): eager only.
 EAGER_ONLY = {"gemma2", "gpt_oss"}
@@ -120,12 +120,14 @@ def plain_batch(seed, seq=SEQ):
     return ids, None, labels
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "llama", "mixtral", "deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "llama", "mixtral", "deepseek_v3", "glm4_moe_lite",
+                                    "llama4_text"])
 @pytest.mark.parametrize("chunk", [5, SEQ + 5], ids=str)
 def test_exact_plain_causal_sdpa(family, chunk, monkeypatch):
     """No mask: torch's lower-right causal bias per chunk (masks.py), which float32 CPU chunks split into two calls of
     torch's CPU flash kernel; latent attention (DeepSeek-V3, GLM-4.7-Flash: values of another head size, which that
-    kernel refuses) takes torch's own bias path."""
+    kernel refuses) takes torch's own bias path. Llama-4's chunked-attention layer gets upstream's chunked mask (never
+    None), sliced per chunk, and its NoPE layer numbers its queries from the cache (`tokens_before`)."""
     compare(family, chunk, plain_batch(seed_of(family, "plain", chunk)), monkeypatch, attn_implementation="sdpa")
 
 
@@ -417,7 +419,7 @@ def test_plain_causal_sdpa_uses_the_lower_right_bias(family, path, monkeypatch):
 
 
 MOE_FAMILIES = [("mixtral", "sdpa"), ("qwen3_moe", "sdpa"), ("gpt_oss", "eager"), ("olmoe", "sdpa"),
-                ("deepseek_v3", "sdpa"), ("glm4_moe_lite", "eager")]
+                ("deepseek_v3", "sdpa"), ("glm4_moe_lite", "eager"), ("llama4_text", "sdpa")]
 
 
 @pytest.mark.parametrize(("family", "implementation"), MOE_FAMILIES)
@@ -503,8 +505,9 @@ def test_exact_with_row_blocks_and_sliding_window(family, monkeypatch):
 # asserts that no kernel call gets an empty query or key segment.
 from test_streaming import flash_reference  # noqa: E402,F401  (a pytest fixture)
 
-# Every streamed family but Gemma-2 first, then the four original ones (Gemma-2 too: FlashAttention soft-caps).
-FLASH_FAMILIES = sorted(set(GENERIC_FAMILIES) - {"gpt_oss"}) + sorted(FAMILIES)
+# Every streamed family but GPT-OSS first, then the four original ones (Gemma-2 too: FlashAttention soft-caps).
+# Llama-4 neither: upstream refuses FlashAttention for chunked attention over more keys than a chunk.
+FLASH_FAMILIES = sorted(set(GENERIC_FAMILIES) - {"gpt_oss", "llama4_text"}) + sorted(FAMILIES)
 
 
 def flash_padded_batch(seed, seq=SEQ):

@@ -128,12 +128,12 @@ FAMILIES = {
     # Llama-4 text (`Llama4ForCausalLM`, what AutoModelForCausalLM builds from a `llama4` checkpoint): MoE blocks
     # whose experts see every token scaled by its router score (top-1 in the releases) beside a shared expert, dense
     # MLPs on interleaved layers (Maverick), chunked attention on the rotary layers and NoPE layers whose queries are
-    # scaled by position; no aux loss in the head. Not streamed: the streamed layer builds causal and sliding-window
-    # masks for its query chunks, not chunked-attention ones (tried: the chunked layer's q_proj gradient came out 4e-4
-    # off). Tiny: layer 0 dense with chunked attention (chunks of 8), layer 1 MoE (4 experts of 16) and NoPE, its
-    # query scale stepping every 4 positions (the released step is 8192).
-    "llama4_text": Family("Llama-4 text", "Llama4TextConfig", "Llama4ForCausalLM", "moe",
-                          no_streaming="ignored (warned): chunked-attention layers",
+    # scaled by position; no aux loss in the head. Streamed with sdpa and eager: a query chunk reads upstream's
+    # chunked mask, sliced, and its NoPE layer numbers the chunk's queries from the cache's `get_seq_length`
+    # (streaming_backward/cache.py); upstream's FlashAttention refuses chunked attention over more keys than a chunk.
+    # Tiny: layer 0 dense with chunked attention (chunks of 8), layer 1 MoE (4 experts of 16) and NoPE, its query
+    # scale stepping every 4 positions (the released step is 8192).
+    "llama4_text": Family("Llama-4 text", "Llama4TextConfig", "Llama4ForCausalLM", "moe", ("sdpa", "eager"),
                           tiny={"head_dim": 8, "num_local_experts": 4, "intermediate_size": 16,
                                 "intermediate_size_mlp": 64, "interleave_moe_layer_step": 2,
                                 "no_rope_layer_interval": 2, "attention_chunk_size": 8, "floor_scale": 4,

@@ -16,7 +16,9 @@ class StopAfterKeysValues(Exception):
 
 
 class _ChunkCache:
-    """Duck-typed `Cache`: attention modules only call `update` on it."""
+    """Duck-typed `Cache`: attention modules call `update` on it, and Llama-4's NoPE layers `get_seq_length`, from
+    which they number their queries (the temperature tuning of arXiv 2501.19399): the tokens before the chunk, as a
+    cache holding them would say."""
 
     is_compileable = False
     # Bool [batch] of FlashAttention rows without a query in the chunk (masks.plan_flash_chunks), or None: their
@@ -26,12 +28,13 @@ class _ChunkCache:
     # linear map (`kv_b_proj`), so only zero latents give zero values.
     silent_rows = None
     stop = False  # raises StopAfterKeysValues once it has the chunk's K/V: the attention never runs
+    tokens_before = 0  # the query chunk's first position (set by the streamed layer's `call`)
 
     def __init__(self):
         self.updated = False
 
     def get_seq_length(self, layer_idx=0):
-        return 0
+        return self.tokens_before
 
     def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
         self.updated, self.keys_dtype = True, key_states.dtype

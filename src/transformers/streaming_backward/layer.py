@@ -187,6 +187,7 @@ class StreamedCall:
                 self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
             )
         kwargs[self.cache_name] = cache
+        cache.tokens_before = start
         try:
             # The mini-sequence MLP runs unsplit in a streamed chunk (mst_core/chunks.py); a pass that stops at the
             # cache skips the query projection.
