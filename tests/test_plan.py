@@ -325,6 +325,19 @@ def test_zero3_gathers_one_module_at_a_time(monkeypatch):
     assert 0 < zero3 - zero2 <= 2 * head_bytes, (zero2, zero3)
 
 
+def test_zero3_plans_a_block_that_adds_into_a_module_output_in_place():
+    """Llama-4's MoE block adds its routed experts' output into its shared expert's output in place. The ZeRO-3
+    stand-in's gather-for-backward once ran as an identity Function after each module, whose output is a view that
+    autograd refuses to let a block modify in place (RuntimeError for every method); now it is a hook on the output's
+    node. ZeRO-3 still holds at least ZeRO-2's step peak (it gathers modules on top)."""
+    config = transformers.Llama4TextConfig(**GQA, head_dim=64, num_local_experts=4, intermediate_size_mlp=1024,
+                                           attention_chunk_size=256)
+    zero2 = plan.Planner(config, parallel=plan.Parallel(2, 2, 1))
+    zero3 = plan.Planner(config, parallel=plan.Parallel(2, 3, 1))
+    for method in plan.METHODS:
+        assert zero3.step_peak_bytes(method, 512) >= zero2.step_peak_bytes(method, 512) > 0, method
+
+
 def test_sequence_parallel_lowers_the_activation_peak():
     """Ulysses sp=2 at a fixed sequence: each GPU's step peak is lower, for every method."""
     config = transformers.LlamaConfig(**GQA)

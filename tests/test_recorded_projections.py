@@ -65,6 +65,30 @@ def test_replayed_linear_weight_gradient_taken_into_fp32_sums():
         torch.testing.assert_close(replayed, computed, rtol=0, atol=0)
 
 
+def test_taken_linear_output_takes_an_in_place_add():
+    """Under LinearWeightGradsSummed (a chunk's recompute in a Function's backward) a linear layer's output is a tensor
+    of its own, which upstream code may add into in place: Llama-4's MoE block does `out = shared_expert(x);
+    out.add_(routed)`, and autograd refused that on the identity Function's view the mode returned until mst.25
+    (RuntimeError on a GPU, where the mode is on in bf16). The weight's gradient lands in the fp32 sum, the input's and
+    the bias's are the linear layer's: against fp64, within bf16's rounding."""
+    gen = torch.Generator().manual_seed(7)
+    layer = torch.nn.Linear(8, 12).bfloat16()
+    x = torch.randn(3, 4, 8, generator=gen).bfloat16().requires_grad_()
+    routed = torch.randn(3, 4, 12, generator=gen).bfloat16()
+    grad = torch.randn(3, 4, 12, generator=gen).bfloat16()
+    sums = [None]
+    mode = LinearWeightGradsSummed(sums, [layer.weight, layer.bias])
+    with mode:
+        out = layer(x)
+        out.add_(routed)
+    grad_x, grad_bias = torch.autograd.grad(out, [x, layer.bias], grad)
+    assert mode.seen == {0} and sums[0].dtype == torch.float32
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, layer.weight, layer.bias))
+    want = torch.autograd.grad(F.linear(x64, w64, b64) + routed.double(), [x64, w64, b64], grad.double())
+    for got, expected in zip((grad_x, sums[0], grad_bias), want):
+        assert (got.double() - expected).abs().max() <= expected.abs().max() * 2**-7
+
+
 class Attention(torch.nn.Module):
     def __init__(self):
         super().__init__()

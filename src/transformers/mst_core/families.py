@@ -253,6 +253,14 @@ CHECKPOINTS = {
                                             num_key_value_heads=20, n_routed_experts=64, n_shared_experts=1,
                                             num_experts_per_tok=4, kv_lora_rank=512, q_lora_rank=768,
                                             qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256)),
+    # meta-llama/Llama-4-Scout-17B-16E (its text_config): a MoE block in every layer, 16 experts of 8192 that each see
+    # every token (top-1 scores) and a shared one; chunked attention (8192) on 3 layers of 4, NoPE on the 4th.
+    # 107.8B parameters as built (the published 109B has the vision tower too).
+    "llama4-scout": ("llama4_text", dict(vocab_size=202048, hidden_size=5120, intermediate_size=8192,
+                                         intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
+                                         num_key_value_heads=8, head_dim=128, num_local_experts=16,
+                                         num_experts_per_tok=1, interleave_moe_layer_step=1,
+                                         attention_chunk_size=8192, rope_theta=500000.0)),
     # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token; no sliding window.
     "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,

@@ -93,10 +93,18 @@ def add_linear_weight_grad(acc, grad_out, inputs):
             acc[rows].add_(grad_out[:, rows].T @ inputs)
 
 
+def _add_weight_grad_into_sums(sums: list, index: int, weight, grad_out, rows) -> None:
+    """``grad_out^T @ rows`` (grad_out [N, out], rows [N, in]), the linear layer's weight gradient, into ``sums[index]``
+    (fp32, created at the first chunk)."""
+    if sums[index] is None:
+        sums[index] = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    add_linear_weight_grad(sums[index], grad_out, rows)
+
+
 class _LinearWeightGradInto(torch.autograd.Function):
-    """Identity on the output [N, out] of ``F.linear(rows, weight.detach(), bias)``, rows [N, in]; its backward adds
-    the weight's gradient, ``grad_out^T @ rows``, into ``sums[index]`` (`add_linear_weight_grad`) and passes
-    ``grad_out`` on."""
+    """Identity on the output [N, out] of a linear layer whose weight was detached (a replayed projection's,
+    streaming_backward/projections.py), rows [N, in]; its backward adds the weight's gradient into ``sums[index]``
+    and passes ``grad_out`` on."""
 
     @staticmethod
     def forward(ctx, out, rows, sums, index, weight):
@@ -106,12 +114,30 @@ class _LinearWeightGradInto(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (rows,) = ctx.saved_tensors  # [N, in]; grad_out [N, out]
-        sums, index = ctx.sums, ctx.index
-        if sums[index] is None:
-            sums[index] = torch.zeros(ctx.weight.shape, dtype=torch.float32, device=ctx.weight.device)
-        add_linear_weight_grad(sums[index], grad_out, rows)
+        (rows,) = ctx.saved_tensors
+        _add_weight_grad_into_sums(ctx.sums, ctx.index, ctx.weight, grad_out, rows)
         return grad_out, None, None, None, None
+
+
+class _LinearIntoWeightSums(torch.autograd.Function):
+    """``F.linear(rows, weight, bias)`` (rows [N, in]) whose weight gradient goes into ``sums[index]``, not to
+    autograd; the gradients of ``rows`` and ``bias`` are the linear layer's. Its output is a tensor of its own, not a
+    view of one: upstream code may write into it (Llama-4's MoE block adds its routed experts' output into its shared
+    expert's in place, which autograd refuses on a custom Function's view)."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, sums, index):
+        ctx.save_for_backward(rows, weight)
+        ctx.sums, ctx.index = sums, index
+        return F.linear(rows, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, weight = ctx.saved_tensors
+        _add_weight_grad_into_sums(ctx.sums, ctx.index, weight, grad_out, rows)
+        grad_rows = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_bias = grad_out.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_rows, None, grad_bias, None, None
 
 
 class LinearWeightGradsSummed(TorchFunctionMode):
@@ -159,7 +185,7 @@ class LinearWeightGradsSummed(TorchFunctionMode):
                 # weight detached it would not fold a chunk (a strided view of the sequence) and run bmm instead
                 # (seen on an H100: 512 bmm calls, 47 ms a step at 16K tokens).
                 rows = x.reshape(-1, x.shape[-1])  # [*, in] -> [N, in]
-                out = self.weight_grad_into(F.linear(rows, weight.detach(), bias), rows, i)
+                out = _LinearIntoWeightSums.apply(rows, weight, bias, self.sums, i)
                 return out.view(*x.shape[:-1], out.shape[-1])  # [N, out] -> [*, out]
         return func(*args, **kwargs)
 

@@ -149,9 +149,17 @@ class StepHooks:
 
     def release_after_forward(self, module, args, output):
         self.gathered_forward = None
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            return _GatherInBackward.apply(output, self, module)
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            # When the gradient reaches the module's output (its backward starts), its parameters are gathered again
+            # and those of the module before it in backward are released. A hook on the output's node, not an
+            # identity Function after it: that would return a view, which Llama-4's MoE block adds into in place.
+            output.grad_fn.register_prehook(functools.partial(self._gather_for_backward, module))
         return output
+
+    def _gather_for_backward(self, module, grad_outputs):
+        if self.gathered_backward[0] is not module:
+            self.gathered_backward = (None, None)  # release first, as the previous module's backward is done
+            self.gathered_backward = (module, _gather(module))
 
     # --offload inputs for streamed layers: stand-in for the library's streaming_backward/offload.py HostStorage. The input's
     # host copy holds no bytes here (counted as host memory until the layer's backward is done with it);
@@ -181,24 +189,6 @@ def _gather(module):
     """A buffer of the bytes of `module`'s own parameters in full (what a ZeRO-3 all-gather fills)."""
     nbytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     return next(module.parameters(recurse=False)).new_empty(nbytes, dtype=torch.uint8)
-
-
-class _GatherInBackward(torch.autograd.Function):
-    """Identity; when the gradient reaches the module's output (its backward starts), the module's
-    parameters are gathered again and those of the module before it in backward are released."""
-
-    @staticmethod
-    def forward(ctx, output, hooks, module):
-        ctx.hooks, ctx.module = hooks, module
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad):
-        hooks = ctx.hooks
-        if hooks.gathered_backward[0] is not ctx.module:
-            hooks.gathered_backward = (None, None)  # release first, as the previous module's backward is done
-            hooks.gathered_backward = (ctx.module, _gather(ctx.module))
-        return grad, None, None
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):
