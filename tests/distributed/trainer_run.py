@@ -6,7 +6,7 @@ WRAPPER: one of WRAPPERS below (FSDP: see fsdp_run.py). For each family (tiny Ll
 a sliding window shorter than the sequence; tiny Qwen3; Mixtral, Qwen3-MoE and GPT-OSS with the router's auxiliary loss) it
 trains three times from the same weights and data (VARIANTS): flags unset, `mini_sequence_chunk` set (chunks that do not divide the sequence), and
 `streaming_backward_chunk` set (Llama, Qwen3, Qwen3-MoE: alone, with the Trainer's gradient checkpointing on too, which
-streaming must replace; Mistral, Mixtral, GPT-OSS: with `mini_sequence_chunk`; DeepSeek-V3: both, under checkpointing; Mistral's query chunks longer than its
+streaming must replace; Mistral, Mixtral, GPT-OSS: with `mini_sequence_chunk`; DeepSeek-V3 and Llama-4 text: both, under checkpointing; Mistral's query chunks longer than its
 window).
 SGD, gradient accumulation 2, right padding and ignored labels. Rank 0 saves every micro-batch loss,
 the initial and the full final weights of each run, and how often the streamed layers recomputed a
@@ -33,10 +33,12 @@ SEQ = 48
 # window shorter than the sequence; Qwen3 (q/k norms) as it is there; Mixtral and Qwen3-MoE (MoE blocks; Qwen3-MoE's
 # first layer dense) and GPT-OSS (MoE, alternating sliding windows, attention sinks; eager attention, its default) with
 # the router's auxiliary loss (`output_router_logits=True`, coefficient 1.0 there) added; DeepSeek-V3 (latent attention,
-# a dense first layer, routed and shared experts) with its router logits recorded (its head adds no aux loss).
+# a dense first layer, routed and shared experts) with its router logits recorded (its head adds no aux loss); Llama-4
+# text (layer 0 dense with chunked attention, layer 1 a MoE block whose experts see every token, NoPE) likewise.
 FAMILIES = {"llama": dict(tie_word_embeddings=True), "mistral": dict(sliding_window=8), "qwen3": {},
             "mixtral": dict(output_router_logits=True), "qwen3_moe": dict(output_router_logits=True),
-            "gpt_oss": dict(output_router_logits=True), "deepseek_v3": dict(output_router_logits=True)}
+            "gpt_oss": dict(output_router_logits=True), "deepseek_v3": dict(output_router_logits=True),
+            "llama4_text": dict(output_router_logits=True)}
 CHUNK = 7  # mini-sequences of 7 tokens: does not divide the 2 x 48 tokens of a micro-batch
 STREAM = 10  # streamed query chunks of 10 tokens: 5 per layer call (the last one 8), longer than Mistral's window
 # Per variant and family: (config overrides, TrainingArguments overrides); "off" is the reference.
@@ -51,6 +53,8 @@ VARIANTS = {
         "qwen3_moe": (dict(streaming_backward_chunk=STREAM), dict(gradient_checkpointing=True)),
         "gpt_oss": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), {}),
         "deepseek_v3": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK),
+                        dict(gradient_checkpointing=True)),
+        "llama4_text": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK),
                         dict(gradient_checkpointing=True)),
     },
 }
