@@ -57,6 +57,12 @@ from transformers.mst_planner.plan import METHODS, Method  # name -> (mini_seque
 
 _ROUTED = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "n_shared_experts": 1,
            "n_group": 2, "topk_group": 1}
+# Gated DeltaNet layers (Qwen3.5, Qwen3-Next): heads of 64 (2 for keys, 4 for values), one linear-attention and one
+# full-attention layer; with MoE blocks of 8 experts of 256 (top 2) and a gated shared expert of 256.
+_LINEAR = {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
+           "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"]}
+_LINEAR_MOE = {**_LINEAR, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+               "shared_expert_intermediate_size": 256}
 _INDEXER = {"q_lora_rank": 128, "mlp_layer_types": ["dense", "sparse"], "index_topk": 2048, "index_head_dim": 64,
             "index_n_heads": 4}
 _LATENT = {"kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64}
@@ -76,8 +82,7 @@ FAMILIES = {
     "gemma3_text": {"head_dim": 64, "sliding_window": 512},
     # Qwen3.5 text: Gated DeltaNet linear-attention layers (upstream's reference PyTorch path on a CPU) and a
     # full-attention one; linear-attention heads of 64 (2 for keys, 4 for values).
-    "qwen3_5_text": {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
-                     "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"]},
+    "qwen3_5_text": _LINEAR,
     "olmo3": {"eos_token_id": 2, "sliding_window": 512},
     "smollm3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     "ministral3": {},
@@ -85,14 +90,9 @@ FAMILIES = {
     "gemma4_text": {"head_dim": 64, "global_head_dim": 64, "sliding_window": 512, "hidden_size_per_layer_input": 64,
                     "vocab_size_per_layer_input": 32000},
     # Qwen3.5-MoE text: Qwen3.5 text's layers with a MoE block (8 experts, top 2, a gated shared expert) in each.
-    "qwen3_5_moe_text": {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-                         "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                         "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
-                         "num_experts_per_tok": 2, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
+    "qwen3_5_moe_text": _LINEAR_MOE,
     # Qwen3-Next: the same layers and MoE blocks (Qwen3.5-MoE's forerunner).
-    "qwen3_next": {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
-                   "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
-                   "num_experts_per_tok": 2, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256},
+    "qwen3_next": _LINEAR_MOE,
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
     # OLMoE: Mixtral-style experts (8, top 2) of BASE's MLP size. DeepSeek-V2/V3 and the GLM MoE ones: layer 0 dense,
     # layer 1 with 8 routed experts (top 2, in 2 groups) of 256 and a shared one; latent attention (DeepSeek-V2/V3,

@@ -39,6 +39,12 @@ _TINY_EXPERTS = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermedi
 # Multi-head Latent Attention's sizes (DeepSeek-V2/V3, GLM-4.7-Flash): every head its own keys (no GQA groups).
 _TINY_LATENT = {"num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
                 "v_head_dim": 8}
+# Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): one linear-attention and one full-attention layer; with MoE
+# blocks (Qwen3-Next, Qwen3.5-MoE) of 4 experts, top-2, a gated shared expert, the aux loss weighted 1.0.
+_TINY_LINEAR = {"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"]}
+_TINY_LINEAR_MOE = {**_TINY_LINEAR, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                    "shared_expert_intermediate_size": 16, "router_aux_loss_coef": 1.0}
 # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a query LoRA, layer 0 dense, and an indexer keeping 8 keys per query.
 _TINY_INDEXER = {"q_lora_rank": 16, "mlp_layer_types": ["dense", "sparse"], "index_topk": 8, "index_head_dim": 8,
                  "index_n_heads": 2}
@@ -149,29 +155,19 @@ FAMILIES = {
     # read. Tiny: one layer of each kind.
     "qwen3_5_text": Family("Qwen3.5 text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "mlp",
                            no_streaming="ignored (warned): linear-attention layers",
-                           tiny={"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-                                 "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                 "layer_types": ["linear_attention", "full_attention"]}),
+                           tiny=_TINY_LINEAR),
     # Qwen3-Next (`qwen3_next`): Qwen3.5-MoE's forerunner, the same Gated DeltaNet and gated full-attention layers (3 to
     # 1) with a MoE block (routed experts and a gated shared expert) in every layer. Not streamed, as Qwen3.5 text.
-    # Tiny: Qwen3.5-MoE text's.
+    # Tiny: `_TINY_LINEAR_MOE`, as Qwen3.5-MoE text's.
     "qwen3_next": Family("Qwen3-Next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "moe",
                          no_streaming="ignored (warned): linear-attention layers",
-                         tiny={"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-                               "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                               "layer_types": ["linear_attention", "full_attention"], "num_experts": 4,
-                               "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                               "shared_expert_intermediate_size": 16, "router_aux_loss_coef": 1.0}),
+                         tiny=_TINY_LINEAR_MOE),
     # Qwen3.5-MoE's text stack (`Qwen3_5MoeForCausalLM`, also what AutoModelForCausalLM builds from a `qwen3_5_moe`
     # checkpoint): Qwen3.5's layers with a MoE block (routed experts and a gated shared expert) in every layer. Not
     # streamed, as Qwen3.5 text. Tiny: one layer of each kind, 4 experts, top-2, the aux loss weighted 1.0.
     "qwen3_5_moe_text": Family("Qwen3.5-MoE text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "moe",
                                no_streaming="ignored (warned): linear-attention layers",
-                               tiny={"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                                     "layer_types": ["linear_attention", "full_attention"], "num_experts": 4,
-                                     "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                                     "shared_expert_intermediate_size": 16, "router_aux_loss_coef": 1.0}),
+                               tiny=_TINY_LINEAR_MOE),
     "gemma3": Family("Gemma-3 multimodal", "Gemma3Config", "Gemma3ForConditionalGeneration", "text_config",
                      no_streaming="on `text_config`: the text layers, as Gemma-3 text (images included)"),
     # What AutoModelForCausalLM builds from a `gemma4` checkpoint. Its head caps the logits by the text config's

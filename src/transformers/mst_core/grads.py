@@ -142,8 +142,8 @@ class _LinearIntoWeightSums(torch.autograd.Function):
 
 class LinearWeightGradsSummed(TorchFunctionMode):
     """While active (a Function's recomputation of one chunk in its backward), ``F.linear(x, w, b)`` with ``w`` a
-    half-precision matrix among ``params`` (and ``x`` in its dtype, outside autocast) runs on ``w.detach()``, and
-    ``w``'s gradient goes straight into ``sums`` (fp32, `_add_grad`'s sums) by one fp32-output GEMM per call where
+    half-precision matrix among ``params`` (and ``x`` in its dtype, outside autocast) runs in `_LinearIntoWeightSums`,
+    and ``w``'s gradient goes straight into ``sums`` (fp32, `_add_grad`'s sums) by one fp32-output GEMM per call where
     the backend has one (`add_linear_weight_grad`): autograd never computes a half-precision ``[out, in]`` product
     for ``w`` to be added into the fp32 sum. Any other use of ``w`` still reaches it through autograd
     (`summed_as_computed`). ``seen`` holds the indices taken over, whose gradient autograd may then leave None.
