@@ -89,6 +89,34 @@ def test_taken_linear_output_takes_an_in_place_add():
         assert (got.double() - expected).abs().max() <= expected.abs().max() * 2**-7
 
 
+@pytest.mark.parametrize("taken", [False, True])
+def test_replayed_linear_output_takes_an_in_place_add(taken):
+    """A replayed projection's output is a tensor of its own, as a computed linear's is: upstream code may write into a
+    q/k/v projection's output in place, which autograd refused on the custom Function's view returned until mst.26.
+    Its gradients are those of the computed linear followed by the same add, with the weight's in the fp32 sums when
+    LinearWeightGradsSummed takes it."""
+    gen = torch.Generator().manual_seed(13 + taken)
+    dtype = torch.bfloat16 if taken else torch.float32
+    layer = torch.nn.Linear(8, 12).to(dtype)
+    x = torch.randn(3, 4, 8, generator=gen).to(dtype).requires_grad_()
+    added, grad = (torch.randn(3, 4, 12, generator=gen).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        recorded = layer(x)
+    sums = [None]
+    mode = LinearWeightGradsSummed(sums, [layer.weight, layer.bias]) if taken else None
+    out = replayed_linear(x, layer.weight, layer.bias, recorded, mode)
+    out.add_(added)
+    got = torch.autograd.grad(out, [x, layer.weight, layer.bias], grad, allow_unused=True)
+    if taken:
+        assert got[1] is None and mode.seen == {0} and sums[0].dtype == torch.float32
+        got = (got[0], sums[0], got[2])
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, layer.weight, layer.bias))
+    want = torch.autograd.grad(F.linear(x64, w64, b64) + added.double(), [x64, w64, b64], grad.double())
+    tolerance = 2**-7 if taken else 1e-6
+    for g, expected in zip(got, want):
+        assert (g.double() - expected).abs().max() <= expected.abs().max() * tolerance
+
+
 class Attention(torch.nn.Module):
     def __init__(self):
         super().__init__()

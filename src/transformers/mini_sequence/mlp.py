@@ -173,7 +173,7 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
                     allow_unused=True,
                 )
                 # The parameters' gradients are zeros (their sums are in `acc`), or None for a weight whose every
-                # use was a linear layer taken over above: `_LinearWeightGradInto` summed it.
+                # use was a linear layer taken over above: `_LinearIntoWeightSums` summed it.
                 taken = {id(wanted_params[i]) for i in getattr(linear_sums, "seen", ())}
                 kept = [(g, t) for g, t in zip(grads, inputs) if id(t) not in taken]
                 require_gradients([g for g, _ in kept], [t for _, t in kept], where)

@@ -93,30 +93,12 @@ def add_linear_weight_grad(acc, grad_out, inputs):
             acc[rows].add_(grad_out[:, rows].T @ inputs)
 
 
-def _add_weight_grad_into_sums(sums: list, index: int, weight, grad_out, rows) -> None:
+def add_weight_grad_into_sums(sums: list, index: int, weight, grad_out, rows) -> None:
     """``grad_out^T @ rows`` (grad_out [N, out], rows [N, in]), the linear layer's weight gradient, into ``sums[index]``
     (fp32, created at the first chunk)."""
     if sums[index] is None:
         sums[index] = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     add_linear_weight_grad(sums[index], grad_out, rows)
-
-
-class _LinearWeightGradInto(torch.autograd.Function):
-    """Identity on the output [N, out] of a linear layer whose weight was detached (a replayed projection's,
-    streaming_backward/projections.py), rows [N, in]; its backward adds the weight's gradient into ``sums[index]``
-    and passes ``grad_out`` on."""
-
-    @staticmethod
-    def forward(ctx, out, rows, sums, index, weight):
-        ctx.save_for_backward(rows)
-        ctx.sums, ctx.index, ctx.weight = sums, index, weight
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (rows,) = ctx.saved_tensors
-        _add_weight_grad_into_sums(ctx.sums, ctx.index, ctx.weight, grad_out, rows)
-        return grad_out, None, None, None, None
 
 
 class _LinearIntoWeightSums(torch.autograd.Function):
@@ -134,7 +116,7 @@ class _LinearIntoWeightSums(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         rows, weight = ctx.saved_tensors
-        _add_weight_grad_into_sums(ctx.sums, ctx.index, weight, grad_out, rows)
+        add_weight_grad_into_sums(ctx.sums, ctx.index, weight, grad_out, rows)
         grad_rows = grad_out @ weight if ctx.needs_input_grad[0] else None
         grad_bias = grad_out.sum(0) if ctx.needs_input_grad[2] else None
         return grad_rows, None, grad_bias, None, None
@@ -167,11 +149,6 @@ class LinearWeightGradsSummed(TorchFunctionMode):
             return None
         self.seen.add(i)
         return i
-
-    def weight_grad_into(self, out, rows, index):
-        """`out` ([N, out], computed from `rows` [N, in] and params[index] detached), whose backward adds that
-        weight's gradient into the sums."""
-        return _LinearWeightGradInto.apply(out, rows, self.sums, index, self.params[index])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from ..mst_core.grads import LinearWeightGradsSummed
+from ..mst_core.grads import LinearWeightGradsSummed, add_weight_grad_into_sums
 from .cache import runs_its_class_forward
 
 
@@ -106,27 +106,31 @@ def replayed_linear(x, weight, bias, recorded, linear_sums=None):
         bias = None if bias is None else bias.to(dtype)
     rows = x.reshape(-1, x.shape[-1])  # [*, in] -> [N, in]
     taken = linear_sums.takes(rows, weight) if isinstance(linear_sums, LinearWeightGradsSummed) else None
-    out = _RecordedLinear.apply(
-        rows, weight.detach() if taken is not None else weight, bias, recorded.reshape(-1, recorded.shape[-1])
-    )
-    if taken is not None:
-        out = linear_sums.weight_grad_into(out, rows, taken)
+    sums = None if taken is None else linear_sums.sums
+    out = _RecordedLinear.apply(rows, weight, bias, recorded.reshape(-1, recorded.shape[-1]), sums, taken)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class _RecordedLinear(torch.autograd.Function):
-    """Forward: `recorded` ([N, out], equal to rows @ weight.T + bias). Backward: the linear layer's gradients."""
+    """Forward: `recorded` ([N, out], equal to rows @ weight.T + bias), as a tensor of its own (not a view: upstream
+    code may write into a projection's output in place, which autograd refuses on a custom Function's view).
+    Backward: the linear layer's gradients; with `sums` given, the weight's goes into ``sums[index]`` (fp32,
+    mst_core/grads.LinearWeightGradsSummed) and autograd gets None for it."""
 
     @staticmethod
-    def forward(ctx, rows, weight, bias, recorded):
+    def forward(ctx, rows, weight, bias, recorded, sums, index):
         ctx.save_for_backward(rows, weight)
-        ctx.has_bias = bias is not None
-        return recorded.view_as(recorded)
+        ctx.has_bias, ctx.sums, ctx.index = bias is not None, sums, index
+        return recorded.detach()  # shares storage and version counter with the record, no autograd view
 
     @staticmethod
     def backward(ctx, grad):
         rows, weight = ctx.saved_tensors
         grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.T @ rows if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.sums is not None:
+            add_weight_grad_into_sums(ctx.sums, ctx.index, weight, grad, rows)
+        elif ctx.needs_input_grad[1]:
+            grad_weight = grad.T @ rows
         grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_rows, grad_weight, grad_bias, None
+        return grad_rows, grad_weight, grad_bias, None, None, None
