@@ -7,7 +7,7 @@ a sliding window shorter than the sequence; tiny Qwen3; Mixtral, Qwen3-MoE and G
 trains three times from the same weights and data (VARIANTS): flags unset, `mini_sequence_chunk` set (chunks that do not divide the sequence), and
 `streaming_backward_chunk` set (Llama, Qwen3, Qwen3-MoE: alone, with the Trainer's gradient checkpointing on too, which
 streaming must replace; Mistral, Mixtral, GPT-OSS: with `mini_sequence_chunk`; DeepSeek-V3 and Llama-4 text: both, under checkpointing; Mistral's query chunks longer than its
-window).
+window; Qwen3-Next, DeepSeek-V3.2 and GLM-5, which do not stream: mini-sequences under checkpointing).
 SGD, gradient accumulation 2, right padding and ignored labels. Rank 0 saves every micro-batch loss,
 the initial and the full final weights of each run, and how often the streamed layers recomputed a
 chunk and the Trainer's checkpointing ran, to OUT_FILE; tests/test_distributed.py compares each
@@ -34,11 +34,17 @@ SEQ = 48
 # first layer dense) and GPT-OSS (MoE, alternating sliding windows, attention sinks; eager attention, its default) with
 # the router's auxiliary loss (`output_router_logits=True`, coefficient 1.0 there) added; DeepSeek-V3 (latent attention,
 # a dense first layer, routed and shared experts) with its router logits recorded (its head adds no aux loss); Llama-4
-# text (layer 0 dense with chunked attention, layer 1 a MoE block whose experts see every token, NoPE) likewise.
+# text (layer 0 dense with chunked attention, layer 1 a MoE block whose experts see every token, NoPE) likewise; Qwen3-Next
+# (Gated DeltaNet and gated attention layers, MoE with a shared expert) with the aux loss; DeepSeek-V3.2 and GLM-5
+# (DeepSeek-V3's layers with the sparse-attention indexer, which upstream does not train) with their router logits.
 FAMILIES = {"llama": dict(tie_word_embeddings=True), "mistral": dict(sliding_window=8), "qwen3": {},
             "mixtral": dict(output_router_logits=True), "qwen3_moe": dict(output_router_logits=True),
             "gpt_oss": dict(output_router_logits=True), "deepseek_v3": dict(output_router_logits=True),
-            "llama4_text": dict(output_router_logits=True)}
+            "llama4_text": dict(output_router_logits=True), "qwen3_next": dict(output_router_logits=True),
+            "deepseek_v32": dict(output_router_logits=True), "glm_moe_dsa": dict(output_router_logits=True)}
+# Not streamed (linear attention; the sparse-attention indexer's keys): their second variant is mini-sequences under
+# the Trainer's checkpointing.
+NOT_STREAMED = ("qwen3_next", "deepseek_v32", "glm_moe_dsa")
 CHUNK = 7  # mini-sequences of 7 tokens: does not divide the 2 x 48 tokens of a micro-batch
 STREAM = 10  # streamed query chunks of 10 tokens: 5 per layer call (the last one 8), longer than Mistral's window
 # Per variant and family: (config overrides, TrainingArguments overrides); "off" is the reference.
@@ -56,8 +62,12 @@ VARIANTS = {
                         dict(gradient_checkpointing=True)),
         "llama4_text": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK),
                         dict(gradient_checkpointing=True)),
+        **{family: (dict(mini_sequence_chunk=CHUNK), dict(gradient_checkpointing=True)) for family in NOT_STREAMED},
     },
 }
+# DDP refuses a step that leaves a parameter without a gradient unless told: the DSA indexer's weights get none
+# (upstream's top-k), and the Trainer tells DDP to look for such parameters only without gradient checkpointing.
+DDP_ARGS = {family: dict(ddp_find_unused_parameters=True) for family in ("deepseek_v32", "glm_moe_dsa")}
 
 
 def zero(stage, **extra):
@@ -156,6 +166,8 @@ def buffer_names(model):
 
 def train(family, variant, wrapper_name, workdir):
     wrapper_args = {**WRAPPERS[wrapper_name], **VARIANTS[variant][family][1]}
+    if wrapper_name == "ddp":
+        wrapper_args.update(DDP_ARGS.get(family, {}))
     model = build_model(family, variant)
     COUNTS.update(dict.fromkeys(COUNTS, 0))
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
