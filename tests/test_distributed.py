@@ -26,6 +26,11 @@ from tiny_models import UNTRAINED_UPSTREAM  # noqa: E402
 from trainer_run import FAMILIES, SEQ, STREAM, VARIANTS  # noqa: E402
 
 TOLERANCE = 1e-5
+# Gemma-4's tiny model trains with fp32 rounding far above that under this suite's SGD (lr 0.5, 3 steps): measured in
+# one process on the same data, upstream's own fp32 weights end 2.4e-5 (its tiny softcap 2.0) to 4.1e-5 (softcap 30)
+# from its fp64 ones, ours 2.2e-5 to 3.3e-5, and ours 1.0e-5 to 2.4e-5 from upstream fp32. A lost gradient moves a
+# weight by ~1e-2 here. Losses keep TOLERANCE.
+WEIGHT_TOLERANCE = {"gemma4_text": 5e-5}
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -101,7 +106,7 @@ def test_flag_on_trains_like_flag_off(script, wrapper, tmp_path):
             assert off["state"].keys() == on["state"].keys() == off["initial"].keys(), (wrapper, family, variant)
             for name in off["initial"]:
                 diff = max_abs_diff(off["state"][name], on["state"][name])
-                assert diff <= TOLERANCE, (wrapper, family, variant, name, diff)
+                assert diff <= WEIGHT_TOLERANCE.get(family, TOLERANCE), (wrapper, family, variant, name, diff)
             if "gathers" in off:
                 # FSDP all-gathers per step: equal, not once per chunk (measured 66 vs 14 for Mistral
                 # under FSDP2 when the head's unit gathered per chunk).

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 from conftest import run_py
-from tiny_models import COMMON, MOE_FAMILIES, NEW_FAMILIES, NO_AUX_LOSS, make_config, make_model
+from tiny_models import COMMON, MOE_FAMILIES, NEW_FAMILIES, NO_AUX_LOSS, UNTRAINED_UPSTREAM, make_config, make_model
 from transformers.mini_sequence import lm_head_chunk_size
 
 SEQ = 40
@@ -34,12 +34,6 @@ def batch(seed, bsz=2, seq=SEQ, high=COMMON["vocab_size"]):
     labels[attention_mask == 0] = -100
     labels[0, torch.randperm(seq, generator=gen)[: seq // 4]] = -100
     return input_ids, attention_mask, labels
-
-
-# DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5) picks keys by a top-k, which has no gradient: upstream's
-# own step leaves its weights without one (the flag-off run's gradient set, compared in assert_same_step, is the
-# reference for them).
-UNTRAINED_UPSTREAM = ".self_attn.indexer."
 
 
 def train_step(model, input_ids, attention_mask, labels, embeds=True, **kwargs):
@@ -384,6 +378,53 @@ def test_gemma4_text_shared_kv_double_wide_mlp_and_moe_block(chunk):
     assert_same_step(train_step(model, *inputs), reference)
 
 
+def count_streamed_calls(monkeypatch):
+    """A list that gets one item per call of the streamed layer's Function."""
+    from transformers.streaming_backward import layer as streamed_layer
+
+    calls = []
+    real = streamed_layer.StreamedLayerFunction.apply
+    monkeypatch.setattr(streamed_layer.StreamedLayerFunction, "apply", lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+@pytest.mark.parametrize("chunk", [5, 16], ids=str)
+def test_gemma4_text_streams_with_per_layer_inputs_and_moe_block(chunk, monkeypatch):
+    """Without K/V shared across layers (26B-A4B's MoE block beside the MLP, 4 layers): every layer streamed, both
+    fields; the per-layer inputs' gradients (their embedding and projection) summed chunk by chunk. Every gradient as
+    close to fp64 as upstream's fp32 one (within twice its error, plus 1e-6): upstream's own fp32 norm-weight
+    gradients are up to 1.1e-5 from fp64 here, so against upstream fp32 ours came out at 1.05e-5 (chunk 5). Experts on
+    the eager path, which runs fp64 (grouped_mm does not); token ids in, as Gemma-4 embeds them per layer too."""
+    parts = {**GEMMA4_RELEASED_PARTS, "num_kv_shared_layers": 0, "experts_implementation": "eager"}
+    inputs = batch(zlib.crc32(f"gemma4-streamed/{chunk}".encode()) % 1000)
+    fp64 = train_step(make_model("gemma4_text", **parts).double(), *inputs, embeds=False)
+    upstream = train_step(make_model("gemma4_text", **parts), *inputs, embeds=False)
+    calls = count_streamed_calls(monkeypatch)
+    model = make_model("gemma4_text", streaming_backward_chunk=chunk, mini_sequence_chunk=4, **parts)
+    ours = train_step(model, *inputs, embeds=False)
+    assert len(calls) == parts["num_hidden_layers"]
+    assert_close(ours[0].loss, upstream[0].loss, what="loss")
+    assert ours[1].keys() == upstream[1].keys() == fp64[1].keys() and any("per_layer" in n for n in ours[1])
+    for name, expected in fp64[1].items():
+        err, err_up = [((g[1][name].double() - expected).abs().max() / expected.abs().max()).item()
+                       for g in (ours, upstream)]
+        assert err <= 2 * err_up + 1e-6, f"{name}: {err:.2e} from fp64, upstream fp32 {err_up:.2e}"
+
+
+def test_gemma4_text_with_shared_kv_not_streamed_and_warned(monkeypatch, caplog):
+    """K/V shared across layers (E2B, E4B): the field is ignored with a warning that names `num_kv_shared_layers`, and
+    the step is upstream's."""
+    inputs = batch(zlib.crc32(b"gemma4-shared-kv") % 1000)
+    reference = train_step(make_model("gemma4_text", **GEMMA4_RELEASED_PARTS), *inputs)
+    calls = count_streamed_calls(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        model = make_model("gemma4_text", streaming_backward_chunk=6, **GEMMA4_RELEASED_PARTS)
+    assert "num_kv_shared_layers=2" in caplog.text and "streaming_backward_chunk=6 is ignored" in caplog.text
+    result = train_step(model, *inputs)
+    assert not calls
+    assert_same_step(result, reference)
+
+
 def gemma4_multimodal(seed=0, vision=False, **text_overrides):
     vocab = COMMON["vocab_size"]
     config = transformers.Gemma4Config(
@@ -426,6 +467,27 @@ def test_gemma4_conditional_generation_with_images():
     inputs = (ids, torch.ones_like(ids), labels)
     reference = train_step(gemma4_multimodal(vision=True), *inputs, embeds=False, **images)
     result = train_step(gemma4_multimodal(vision=True, mini_sequence_chunk=7), *inputs, embeds=False, **images)
+    assert any("vision_tower" in name for name in reference[1])
+    assert_same_step(result, reference)
+
+
+@pytest.mark.parametrize("chunk", [3, 7], ids=str)
+def test_gemma4_conditional_generation_streams_with_images(chunk, monkeypatch):
+    """`text_config.streaming_backward_chunk` on Gemma-4 as AutoModelForCausalLM loads it, with an image per row: both
+    flags, exact against the unsplit composite (vision tower, per-layer inputs included)."""
+    vocab = COMMON["vocab_size"]
+    gen = torch.Generator().manual_seed(30 + chunk)
+    ids = torch.randint(1, vocab - 8, (2, SEQ), generator=gen)
+    ids[:, 5], ids[:, 6], ids[:, 7] = vocab - 3, vocab - 1, vocab - 2  # boi, the image's one soft token, eoi
+    images = dict(pixel_values=torch.randn(2, 4, 48, generator=gen),
+                  image_position_ids=torch.tensor([[0, 0], [1, 0], [0, 1], [1, 1]]).expand(2, 4, 2).clone())
+    labels = ids.masked_fill(ids == vocab - 1, -100)
+    inputs = (ids, torch.ones_like(ids), labels)
+    reference = train_step(gemma4_multimodal(vision=True), *inputs, embeds=False, **images)
+    calls = count_streamed_calls(monkeypatch)
+    model = gemma4_multimodal(vision=True, streaming_backward_chunk=chunk, mini_sequence_chunk=4)
+    result = train_step(model, *inputs, embeds=False, **images)
+    assert len(calls) == COMMON["num_hidden_layers"]
     assert any("vision_tower" in name for name in reference[1])
     assert_same_step(result, reference)
 

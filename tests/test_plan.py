@@ -48,6 +48,27 @@ def test_fake_peak_equals_real_peak_on_gemma4(method):
     assert abs(fake - real) <= 0.02 * real, (fake, real)
 
 
+def _gemma4_config(**overrides):
+    return transformers.Gemma4TextConfig(**dict(TINY, num_hidden_layers=4), head_dim=64, global_head_dim=128,
+                                         layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=128,
+                                         hidden_size_per_layer_input=64, vocab_size_per_layer_input=8000,
+                                         final_logit_softcapping=30.0, **overrides)
+
+
+@pytest.mark.parametrize("method", STREAMED)
+def test_fake_peak_equals_real_peak_on_streamed_gemma4(method):
+    """Gemma-4 text without K/V shared across layers streams, its per-layer inputs row inputs of the streamed layer;
+    with K/V shared (`num_kv_shared_layers`), where the field is ignored, the streamed methods are not planned."""
+    planner = plan.Planner(_gemma4_config())
+    fake = planner.step_peak_bytes(method, 512)
+    real = planner.step_peak_bytes(method, 512, fake=False)
+    assert abs(fake - real) <= 0.02 * real, (fake, real)
+    shared = plan.Planner(_gemma4_config(num_kv_shared_layers=2))
+    with pytest.raises(plan.PlanError, match=r"not planned: streaming_backward_chunk is ignored with K/V shared "
+                                             r"across layers \(num_kv_shared_layers=2\)"):
+        shared.step_peak_bytes(method, 512)
+
+
 @pytest.mark.parametrize("method", STREAMED)
 def test_fake_peak_equals_real_peak_on_the_generic_streamed_layer(method):
     """Qwen3 streams through the generic layer (streaming_backward/), which runs the planner's stand-in attention
@@ -524,7 +545,7 @@ def test_streaming_is_refused_per_method_where_a_family_has_no_streaming_path(ca
     """A family without a streaming_backward_chunk path (GPT-OSS taken out of the registry's streamed types here;
     it streams since 5.24.0+mst.11): a streamed plan would silently be a plain one. The planner lists those
     methods as not planned (JSON and table), plans the others, and refuses a direct request."""
-    assert plan.family_refusal("streaming", "gpt_oss") is None
+    assert plan.family_refusal("streaming", _tiny_gpt_oss()) is None
     monkeypatch.setattr(plan, "STREAMING_MODEL_TYPES", tuple(t for t in plan.STREAMING_MODEL_TYPES if t != "gpt_oss"))
     _tiny_gpt_oss().save_pretrained(tmp_path)
     args = ("--model", str(tmp_path / "config.json"), "--gpu-memory-gib", "1", "--optimizer", "none",
@@ -543,9 +564,10 @@ def test_streaming_is_refused_per_method_where_a_family_has_no_streaming_path(ca
     with pytest.raises(plan.PlanError, match="streaming: not planned"):
         planner.step_peak_bytes("streaming", 256)
     # A family with a streaming path plans it (Qwen3-MoE, through the generic streamed layer).
-    qwen3_moe = plan.Planner(transformers.Qwen3MoeConfig(**dict(TINY, vocab_size=1024), num_experts=4,
-                                                         num_experts_per_tok=2, moe_intermediate_size=256, head_dim=64))
-    assert plan.family_refusal("streaming", "qwen3_moe") is None and qwen3_moe.step_peak_bytes("streaming", 256) > 0
+    qwen3_moe_config = transformers.Qwen3MoeConfig(**dict(TINY, vocab_size=1024), num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=256, head_dim=64)
+    qwen3_moe = plan.Planner(qwen3_moe_config)
+    assert plan.family_refusal("streaming", qwen3_moe_config) is None and qwen3_moe.step_peak_bytes("streaming", 256) > 0
 
 
 def test_gemma3_multimodal_config_plans_its_text_stack(tmp_path):
@@ -645,7 +667,7 @@ def test_shallow_stack_gives_the_deep_stacks_bytes(case, monkeypatch):
     monkeypatch.setattr(plan.Planner, "_step", lambda self, *a: depths.append(a[3] if len(a) > 3 else None)
                         or real_step(self, *a))
     for method in plan.METHODS:
-        if not plan._plannable(method, parallel) or plan.family_refusal(method, config.model_type):
+        if not plan._plannable(method, parallel) or plan.family_refusal(method, config):
             continue
         # The first step runs two middle blocks and checks them; once equal, a later step (another length) runs one.
         for seq_len, middle_blocks in ((128, 2), (192, 1)):

@@ -18,7 +18,8 @@ CHUNKS = [1, 7, SEQ - 1, SEQ + 5]
 # The newer streamed families, with tests/tiny_models.py's tiny configs (GPT-OSS: alternating windows, sinks).
 GENERIC_FAMILIES = {f: NEW_FAMILIES[f] for f in ("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss",
                                                  "olmo3", "smollm3", "ministral3", "olmoe", "deepseek_v2",
-                                                 "deepseek_v3", "glm4_moe", "glm4_moe_lite", "llama4_text")}
+                                                 "deepseek_v3", "glm4_moe", "glm4_moe_lite", "llama4_text",
+                                                 "gemma4_text")}
 # Upstream has no SDPA path for these (Gemma-2: soft-capped attention; GPT-OSS: sinks), and GPT-OSS's
 # FlashAttention needs a kernel with sinks (flash-attn has none): eager only.
 EAGER_ONLY = {"gemma2", "gpt_oss"}
@@ -136,6 +137,7 @@ WINDOWED = {  # config overrides that give every (or every other) layer a slidin
     "qwen2": lambda w: {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0},
     "gemma2": lambda w: {"sliding_window": w},
     "gemma3_text": lambda w: {"sliding_window": w, "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma4_text": lambda w: {"sliding_window": w},  # its tiny config: a sliding and a full-attention layer
     "qwen3": lambda w: {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0},
     "phi3": lambda w: {"sliding_window": w},
 }

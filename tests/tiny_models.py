@@ -38,10 +38,10 @@ MOE_FAMILIES = model_types(mini_sequence="moe")
 # MoE families whose head adds no router auxiliary loss (their routers balance by a bias): the router logits are still
 # recorded with output_router_logits=True, and reach the routers' gradients through the routing weights.
 NO_AUX_LOSS = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "llama4_text"}
-# State-space families (adjoint sharding).
 # DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5) picks keys by a top-k, which has no gradient: upstream's
 # own step leaves its weights without one, so tests leave them out of "every parameter trained".
 UNTRAINED_UPSTREAM = ".self_attn.indexer."
+# State-space families (adjoint sharding).
 SSM_FAMILIES = _entries(model_types(adjoint=True))
 
 

@@ -7,7 +7,8 @@ a sliding window shorter than the sequence; tiny Qwen3; Mixtral, Qwen3-MoE and G
 trains three times from the same weights and data (VARIANTS): flags unset, `mini_sequence_chunk` set (chunks that do not divide the sequence), and
 `streaming_backward_chunk` set (Llama, Qwen3, Qwen3-MoE: alone, with the Trainer's gradient checkpointing on too, which
 streaming must replace; Mistral, Mixtral, GPT-OSS: with `mini_sequence_chunk`; DeepSeek-V3 and Llama-4 text: both, under checkpointing; Mistral's query chunks longer than its
-window; Qwen3-Next, DeepSeek-V3.2 and GLM-5, which do not stream: mini-sequences under checkpointing).
+window; Gemma-4 text: both, under checkpointing; Qwen3-Next, DeepSeek-V3.2 and GLM-5, which do not stream:
+mini-sequences under checkpointing).
 SGD, gradient accumulation 2, right padding and ignored labels. Rank 0 saves every micro-batch loss,
 the initial and the full final weights of each run, and how often the streamed layers recomputed a
 chunk and the Trainer's checkpointing ran, to OUT_FILE; tests/test_distributed.py compares each
@@ -36,12 +37,14 @@ SEQ = 48
 # a dense first layer, routed and shared experts) with its router logits recorded (its head adds no aux loss); Llama-4
 # text (layer 0 dense with chunked attention, layer 1 a MoE block whose experts see every token, NoPE) likewise; Qwen3-Next
 # (Gated DeltaNet and gated attention layers, MoE with a shared expert) with the aux loss; DeepSeek-V3.2 and GLM-5
-# (DeepSeek-V3's layers with the sparse-attention indexer, which upstream does not train) with their router logits.
+# (DeepSeek-V3's layers with the sparse-attention indexer, which upstream does not train) with their router logits;
+# Gemma-4 text (a sliding-window and a full-attention layer, each with its per-layer input).
 FAMILIES = {"llama": dict(tie_word_embeddings=True), "mistral": dict(sliding_window=8), "qwen3": {},
             "mixtral": dict(output_router_logits=True), "qwen3_moe": dict(output_router_logits=True),
             "gpt_oss": dict(output_router_logits=True), "deepseek_v3": dict(output_router_logits=True),
             "llama4_text": dict(output_router_logits=True), "qwen3_next": dict(output_router_logits=True),
-            "deepseek_v32": dict(output_router_logits=True), "glm_moe_dsa": dict(output_router_logits=True)}
+            "deepseek_v32": dict(output_router_logits=True), "glm_moe_dsa": dict(output_router_logits=True),
+            "gemma4_text": {}}
 # Not streamed (linear attention; the sparse-attention indexer's keys): their second variant is mini-sequences under
 # the Trainer's checkpointing.
 NOT_STREAMED = ("qwen3_next", "deepseek_v32", "glm_moe_dsa")
@@ -62,6 +65,7 @@ VARIANTS = {
                         dict(gradient_checkpointing=True)),
         "llama4_text": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK),
                         dict(gradient_checkpointing=True)),
+        "gemma4_text": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), dict(gradient_checkpointing=True)),
         **{family: (dict(mini_sequence_chunk=CHUNK), dict(gradient_checkpointing=True)) for family in NOT_STREAMED},
     },
 }

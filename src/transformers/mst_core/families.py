@@ -22,6 +22,9 @@ class Family(NamedTuple):
     # layer's own forward per query chunk, streaming_backward/); () where the field is not supported.
     streaming_attention: tuple = ()
     no_streaming: str = "ignored"  # the README's word where streaming_attention is ()
+    # (config attribute, what it does): a config where that attribute is set (non-zero) is not streamed (warned at
+    # construction), e.g. Gemma-4's K/V shared across layers. None: every config of the family streams.
+    streaming_unless: tuple | None = None
     # Ulysses rebuilds this family's whole-sequence masks exactly, and the rest of its layers works token by token
     # (MoE routing; rotary embeddings and query scaling from each rank's position_ids); tests/test_ulysses.py runs each.
     ulysses: bool = False
@@ -82,12 +85,13 @@ FAMILIES = {
                                                    "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                                                    "llama_4_scaling_beta": 0.1}}),
     # Gemma-4 text (`Gemma4ForCausalLM`): Gemma-3's layers plus per-layer input embeddings, K/V shared across the last
-    # layers, and on 26B-A4B a MoE block beside the MLP (not chunked). Not streamed: a layer's per-layer input is not
-    # among the streamed layer's inputs (the streamed Function refuses it: its gradient would be lost) and a layer
-    # reading K/V another layer stored needs them whole. Tiny: Gemma-3 text's, with per-layer inputs of 8 (their
-    # vocabulary covers the tests' larger ones) and full-attention heads (`global_head_dim`) of 8.
-    "gemma4_text": Family("Gemma-4 text", "Gemma4TextConfig", "Gemma4ForCausalLM", "mlp",
-                          no_streaming="ignored (warned): per-layer inputs, K/V shared across layers",
+    # layers (E2B, E4B), and on 26B-A4B a MoE block beside the MLP (not chunked). Streamed: a layer's per-layer input
+    # is a row input of the streamed layer (its gradient summed chunk by chunk, streaming_backward/layer.py). Not where
+    # layers share K/V (`num_kv_shared_layers` > 0): a layer reading K/V another layer stored needs them whole, with
+    # their graph. Tiny: Gemma-3 text's, with per-layer inputs of 8 (their vocabulary covers the tests' larger ones),
+    # full-attention heads (`global_head_dim`) of 8 and no K/V shared (upstream's default).
+    "gemma4_text": Family("Gemma-4 text", "Gemma4TextConfig", "Gemma4ForCausalLM", "mlp", _ATTENTION,
+                          streaming_unless=("num_kv_shared_layers", "K/V shared across layers"),
                           tiny={"head_dim": 8, "global_head_dim": 8, "final_logit_softcapping": 2.0,
                                 "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                                 "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 4096}),
@@ -121,10 +125,11 @@ FAMILIES = {
                             tiny={**_TINY_EXPERTS, **_TINY_LATENT, "q_lora_rank": 16,
                                   "mlp_layer_types": ["dense", "sparse"]}),
     # DeepSeek-V3.2 and GLM-5 (`glm_moe_dsa`): DeepSeek-V3's and GLM-4.7-Flash's layers with DeepSeek Sparse Attention,
-    # an indexer that picks each query's top-k keys. Not streamed: the indexer keeps its own keys in the cache
-    # (`update_indexer`), which the streamed layer's cache does not hold. Its top-k is not differentiable, so its
-    # weights get no gradient, upstream's neither. Tiny: GLM-4.7-Flash's, with an indexer keeping 8 keys per query
-    # (fewer than the test sequences) over 2 heads of 8.
+    # an indexer that picks each query's top-k keys. Not streamed: over a chunk's keys `torch.topk` may keep another of
+    # the keys tied at the k-th place than over the whole row (docs/limits.md), so a streamed chunk would not attend
+    # to the keys upstream attends to (and the indexer's own keys live in the cache, `update_indexer`). Its top-k is
+    # not differentiable, so its weights get no gradient, upstream's neither. Tiny: GLM-4.7-Flash's, with an indexer
+    # keeping 8 keys per query (fewer than the test sequences) over 2 heads of 8.
     "deepseek_v32": Family("DeepSeek-V3.2", "DeepseekV32Config", "DeepseekV32ForCausalLM", "moe",
                            no_streaming="ignored (warned): sparse attention's indexer",
                            tiny={**_TINY_EXPERTS, **_TINY_LATENT, **_TINY_INDEXER}),
@@ -173,7 +178,7 @@ FAMILIES = {
     # What AutoModelForCausalLM builds from a `gemma4` checkpoint. Its head caps the logits by the text config's
     # softcap (Gemma-3's composite caps none).
     "gemma4": Family("Gemma-4 multimodal", "Gemma4Config", "Gemma4ForConditionalGeneration", "text_config",
-                     no_streaming="on `text_config`: ignored (warned), as Gemma-4 text"),
+                     no_streaming="on `text_config`: the text layers, as Gemma-4 text (images included)"),
     "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", adjoint=True, tiny={}),
     "falcon_mamba": Family("FalconMamba", "FalconMambaConfig", "FalconMambaForCausalLM", "lm_head", adjoint=True,
                            tiny={}),
@@ -269,6 +274,16 @@ def streaming_model_types() -> tuple:
     return tuple(t for t, family in FAMILIES.items() if family.streaming_attention)
 
 
+def streaming_refusal(config) -> str | None:
+    """Why `config`, of a streamed family, is not streamed (its `streaming_unless` attribute is set), or None."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None or family.streaming_unless is None:
+        return None
+    attribute, what = family.streaming_unless
+    value = getattr(config, attribute, None)
+    return f"{what} ({attribute}={value!r})" if value else None
+
+
 def model_types(**wanted) -> tuple:
     """The model types whose entry has every given value, e.g. `model_types(ulysses=True)`; a tuple value means any
     of its members (`model_types(mini_sequence=("mlp", "moe"))`)."""
@@ -290,6 +305,9 @@ _MINI_SEQUENCE_CELLS = {
 
 def _cells(family: Family) -> tuple:
     streaming = f"yes: {', '.join(family.streaming_attention)}" if family.streaming_attention else family.no_streaming
+    if family.streaming_unless is not None:
+        attribute, what = family.streaming_unless
+        streaming += f"; ignored (warned) with {what} (`{attribute}` non-zero)"
     return _MINI_SEQUENCE_CELLS[family.mini_sequence], streaming, "yes" if family.adjoint else "ignored"
 
 

@@ -7,7 +7,7 @@ Imported by modeling_utils and configuration_utils, so it imports nothing heavy.
 import inspect
 
 from ..utils import logging
-from .families import model_types, streaming_model_types
+from .families import model_types, streaming_model_types, streaming_refusal
 from .fields import (
     ADJOINT_CHUNK_FIELD,
     ADJOINT_TRUNCATION_FIELD,
@@ -86,6 +86,12 @@ def check_model(model) -> None:
                 f"model_type={model_type!r} has no {field} path: {field}={value!r} is ignored. "
                 f"It applies to model types {', '.join(field_model_types)}."
             )
+    refusal = streaming_refusal(config) if getattr(config, STREAMING_FIELD, None) is not None else None
+    if refusal is not None:
+        logger.warning_once(
+            f"model_type={model_type!r} with {refusal}: {STREAMING_FIELD}={getattr(config, STREAMING_FIELD)!r} is "
+            "ignored (a layer reading what another layer computed needs it whole); the layers run upstream's way."
+        )
     # A composite model (LLaVA & co) with the flag on its text config: the language model's MLP is
     # split, but the composite's own LM head + loss is upstream's. Say so rather than half-apply it.
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

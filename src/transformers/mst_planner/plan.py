@@ -39,7 +39,7 @@ import transformers
 
 from ..streaming_backward import layer as streamed_layer
 from ..streaming_backward import offload as streamed_offload
-from ..mst_core.families import CHECKPOINTS, FAMILIES, streaming_model_types
+from ..mst_core.families import CHECKPOINTS, FAMILIES, streaming_model_types, streaming_refusal
 from ..mst_core.fields import validate_streaming_backward_chunk
 from ..mst_core.memory import LiveTensorTracker
 from ..mst_core.model_checks import MINI_SEQUENCE_MODEL_TYPES, TEXT_CONFIG_LM_HEAD_MODEL_TYPES
@@ -132,12 +132,15 @@ def _plannable(method: str, parallel: Parallel) -> bool:
 STREAMING_MODEL_TYPES = streaming_model_types()
 
 
-def family_refusal(method: str, model_type: str):
-    """Why `method` cannot be planned for `model_type` (a sentence), or None if it can."""
-    settings = METHODS[method]
+def family_refusal(method: str, config):
+    """Why `method` cannot be planned for `config` (its family, or a config its family does not stream: a sentence), or
+    None if it can."""
+    settings, model_type = METHODS[method], config.model_type
     if settings.streaming_backward_chunk is not None and model_type not in STREAMING_MODEL_TYPES:
         return (f"model_type {model_type!r} has no streaming_backward_chunk path (not implemented yet; "
                 f"streamed families: {', '.join(STREAMING_MODEL_TYPES)})")
+    if settings.streaming_backward_chunk is not None and streaming_refusal(config) is not None:
+        return f"streaming_backward_chunk is ignored with {streaming_refusal(config)}"
     if settings.mini_sequence_chunk is not None and model_type not in MINI_SEQUENCE_MODEL_TYPES:
         return f"model_type {model_type!r} has no mini_sequence_chunk path (families: {', '.join(MINI_SEQUENCE_MODEL_TYPES)})"
     return None
@@ -286,7 +289,7 @@ class Planner:
         layers is run and the full stack's phases are walked from its own (layer_phases.py: the
         same bytes; the tests compare the two); without, every layer runs."""
         check_methods([method], self.parallel)
-        refusal = family_refusal(method, self.config.model_type)
+        refusal = family_refusal(method, self.config)
         if refusal:
             raise PlanError(f"{method}: not planned: {refusal}")
         depth = self.config.num_hidden_layers
@@ -399,7 +402,7 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
     methods = list(methods)
     check_methods(methods, parallel)
     config = load_config(model)
-    not_planned = {m: family_refusal(m, config.model_type) for m in methods if family_refusal(m, config.model_type)}
+    not_planned = {m: family_refusal(m, config) for m in methods if family_refusal(m, config)}
     if len(not_planned) == len(methods):
         raise PlanError(f"--model {model}: none of the methods can be planned for this family: "
                         + "; ".join(f"{m}: {why}" for m, why in not_planned.items()))

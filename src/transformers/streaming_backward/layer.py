@@ -38,7 +38,7 @@ import inspect
 import torch
 
 from ..mst_core.chunks import one_streamed_chunk
-from ..mst_core.families import streaming_model_types
+from ..mst_core.families import streaming_model_types, streaming_refusal
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
@@ -84,13 +84,20 @@ STREAMING_MODEL_TYPES = streaming_model_types()
 
 def applies(layer) -> bool:
     """Whether `layer`'s forward should stream (GradientCheckpointingLayer asks, patch 0008): the field is set, the
-    layer trains with grad enabled, and its model type is one the registry streams (mst_core/families.py).
+    layer trains with grad enabled, and its model type is one the registry streams (mst_core/families.py), its config
+    not one the registry excepts (`streaming_unless`: Gemma-4's K/V shared across layers).
     A layer of another family (the field set on it by `from_pretrained` or a config.json) is not streamed: the
     model warned at construction that the field is ignored (mst_core/model_checks.py)."""
     config = getattr(getattr(layer, "self_attn", None), "config", None)
     if getattr(config, STREAMING_FIELD, None) is None or not (layer.training and torch.is_grad_enabled()):
         return False
-    return getattr(config, "model_type", None) in STREAMING_MODEL_TYPES
+    return getattr(config, "model_type", None) in STREAMING_MODEL_TYPES and streaming_refusal(config) is None
+
+
+# Arguments a chunk gets a fresh, empty one of: Gemma-4's `shared_kv_states`, where a layer stores its K/V for layers
+# that read them (none does where layers stream: mst_core/families.py `streaming_unless`) and for its assistant models'
+# generation. A stored chunk would keep its K/V, in the backward with their graph, until the step ends.
+_FRESH_PER_CHUNK = ("shared_kv_states",)
 
 
 def _slice_rows(value, start, end, seq_len):
@@ -119,6 +126,14 @@ class StreamedCall:
         if self.window is not None and self.window >= self.seq_len:
             self.window = None  # a window longer than the sequence cuts nothing
         self.arguments = arguments
+        # The call's other tensors that are rows of the sequence and require grad (Gemma-4's per-layer input): inputs
+        # of the Function, each chunk's recompute reading its rows as leaves, their gradients summed like the layer
+        # input's. Any other tensor that requires grad is refused by the graph check (mst_core/wrappers.py).
+        self.row_inputs = {
+            name: value for name, value in arguments.items()
+            if isinstance(value, torch.Tensor) and value.requires_grad and value.dim() >= 2
+            and value.shape[:2] == (self.batch, self.seq_len)
+        }
         # No mask, no window, no dropout: torch's lower-right causal bias (no [chunk, keys] mask tensor; SDPA picks
         # its causal kernels, aligned bottom-right) instead of a bool mask built per chunk.
         self.causal_bias = mask is None and self.window is None and not (attn.training and getattr(attn, "attention_dropout", 0.0))
@@ -160,12 +175,15 @@ class StreamedCall:
         finally:
             self.taking_views, self.offset_masks = False, None
 
-    def call(self, x_chunk, index, cache):
-        """The layer's own forward on chunk `index` (rows of `x_chunk`), its attention meeting `cache`: (its output,)
-        or (its output, its router logits) (router.py); None where the layer stopped at the cache."""
+    def call(self, x_chunk, index, cache, rows=None):
+        """The layer's own forward on chunk `index` (rows of `x_chunk`; `rows`: the chunk's rows of `row_inputs` to
+        pass instead of slices of them), its attention meeting `cache`: (its output,) or (its output, its router
+        logits) (router.py); None where the layer stopped at the cache."""
         start, end = self.chunks[index]
         kv_start, kv_end = self.key_ranges[index]
         kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
+        kwargs.update(rows or {})
+        kwargs.update({name: type(kwargs[name])() for name in _FRESH_PER_CHUNK if kwargs.get(name) is not None})
         if cache.stop:  # the layer stops at the cache: no mask needed
             kwargs["attention_mask"] = None
         elif self.flash:
@@ -275,13 +293,14 @@ class _KeptInput:
 
 
 class StreamedLayerFunction(torch.autograd.Function):
-    """Inputs: x [B, S, d], the `StreamedCall`, whether to keep x in host memory, the layer's parameters that require
-    grad (plain leaf parameters: mst_core/wrappers.py). Saves x only."""
+    """Inputs: x [B, S, d], the `StreamedCall`, whether to keep x in host memory, the call's `row_inputs` (their
+    order), the layer's parameters that require grad (plain leaf parameters: mst_core/wrappers.py). Saves x only (the
+    row inputs are held by the `StreamedCall`'s arguments)."""
 
     @staticmethod
-    def forward(ctx, x, streamed, storage, *params):
+    def forward(ctx, x, streamed, storage, *tensors):
         ctx.autocast_state = capture_autocast_state(x.device.type)
-        ctx.streamed, ctx.params = streamed, params
+        ctx.streamed, ctx.params = streamed, tensors[len(streamed.row_inputs) :]
         if storage is not None:
             ctx.saved_input = SavedInput(x, storage)
         else:
@@ -298,7 +317,10 @@ class StreamedLayerFunction(torch.autograd.Function):
         x = ctx.saved_input if ctx.saved_input is not None else _KeptInput(ctx.saved_tensors[0])
         streamed, params = ctx.streamed, ctx.params
         needs_x = ctx.needs_input_grad[0]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
+        row_count = len(streamed.row_inputs)
+        needs_rows = dict(zip(streamed.row_inputs, ctx.needs_input_grad[3 : 3 + row_count]))
+        row_grads = {name: None for name, need in needs_rows.items() if need}  # full [B, S, ...] sums
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3 + row_count :]) if need]
         acc = [None] * len(wanted)
         device = grad_out.device
         # Each parameter gradient is added into `acc` as autograd computes it (the calls below get zeros of no storage).
@@ -318,8 +340,14 @@ class StreamedLayerFunction(torch.autograd.Function):
             checked = []
 
             def add_input_grads(grads, start, end):
-                """Add the input gradient of rows [start, end), if needs_x (grads: it, *the parameters' zeros)."""
+                """Add the input gradients of rows [start, end) (grads: the layer input's if needs_x, the row inputs'
+                in `row_grads`, *the parameters' zeros)."""
                 nonlocal grad_x
+                for offset, name in enumerate(row_grads, start=int(needs_x)):
+                    if grads[offset] is not None:
+                        if row_grads[name] is None:
+                            row_grads[name] = torch.zeros_like(streamed.row_inputs[name])
+                        row_grads[name][:, start:end] += grads[offset]
                 if needs_x and grads[0] is not None:
                     if grad_x is None:  # grows block by block as dK/dV blocks are freed
                         grad_x = RowBlocks(streamed.chunks, blocks, grad_out, dim=1, dtype=grads[0].dtype)
@@ -340,17 +368,20 @@ class StreamedLayerFunction(torch.autograd.Function):
                 linear_sums = linear_weight_grads_summed(acc, wanted, grad_out)
                 with restore_rng_state(rng, device), torch.enable_grad():
                     x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
+                    rows = {name: value[:, start:end].detach().requires_grad_(needs_rows[name])
+                            for name, value in streamed.row_inputs.items()}
                     # The projections before the cache return what the K/V pass computed (projections.py), where
                     # this pass replays that pass's RNG state: not a blind chunk's output, drawn in a pass of its own.
                     replayed = contextlib.nullcontext()
                     if rng is streamed.keys_values_rng(index):
                         replayed = streamed.recorded_projections.replaying(index, linear_sums)
                     with linear_sums or contextlib.nullcontext(), replayed:
-                        outs = streamed.call(x_chunk, index, cache) or ()
-                    inputs = [*([x_chunk] if needs_x else []), *wanted]
+                        outs = streamed.call(x_chunk, index, cache, rows) or ()
+                    inputs = [*([x_chunk] if needs_x else []), *(rows[name] for name in row_grads), *wanted]
                     if not checked:
+                        given = [x_chunk, *rows.values(), *(cache.leaves or []), *params]
                         for tensor in [*outs, cache.keys, cache.values]:
-                            check_graph_inputs(tensor, [x_chunk, *(cache.leaves or []), *params], "streaming backward")
+                            check_graph_inputs(tensor, given, "streaming backward")
                         checked.append(True)
                     if outputs:
                         leaves = cache.leaves
@@ -423,9 +454,16 @@ class StreamedLayerFunction(torch.autograd.Function):
             grad_x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             del parts
             grad_x = grad_x.to(ctx.saved_input.dtype if ctx.saved_input is not None else grad_x.dtype)
+        for name, total in row_grads.items():
+            if total is None:
+                raise RuntimeError(
+                    f"streaming backward: {type(streamed.layer).__name__}'s argument {name!r} requires grad and got no "
+                    "gradient from the recomputation; refusing to return a missing gradient."
+                )
         param_grads = iter(total.to(p.dtype) for total, p in zip(acc, wanted))
-        all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[3:]]
-        return (grad_x, None, None, *all_grads)
+        all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[3 + row_count :]]
+        all_rows = [row_grads[name] if need else None for name, need in needs_rows.items()]
+        return (grad_x, None, None, *all_rows, *all_grads)
 
 
 def _forward_with_checkpoints(streamed, x):
@@ -539,8 +577,9 @@ def _eager_forward(forward, layer, *args, **kwargs):
             with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
                 return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
     skip_and_record_projections(streamed, layer)
-    if not (hidden_states.requires_grad or params):
+    if not (hidden_states.requires_grad or params or streamed.row_inputs):
         with torch.no_grad(), streamed.views_of_one_mask():
             outputs = streamed.run(hidden_states)[0]
         return router.hand_over(outputs if len(outputs) > 1 else outputs[0])
-    return router.hand_over(StreamedLayerFunction.apply(hidden_states, streamed, storage, *params))
+    row_inputs = streamed.row_inputs.values()
+    return router.hand_over(StreamedLayerFunction.apply(hidden_states, streamed, storage, *row_inputs, *params))
