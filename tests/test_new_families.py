@@ -17,6 +17,7 @@ import torch
 import transformers
 from conftest import run_py
 from tiny_models import COMMON, MOE_FAMILIES, NEW_FAMILIES, NO_AUX_LOSS, UNTRAINED_UPSTREAM, make_config, make_model
+from test_streaming import flash_reference  # noqa: F401  (a pytest fixture)
 from transformers.mini_sequence import lm_head_chunk_size
 
 SEQ = 40
@@ -490,6 +491,200 @@ def test_gemma4_conditional_generation_streams_with_images(chunk, monkeypatch):
     assert len(calls) == COMMON["num_hidden_layers"]
     assert any("vision_tower" in name for name in reference[1])
     assert_same_step(result, reference)
+
+
+# ----------------------------------------------------------------------------- Qwen3-VL
+
+# Qwen3-VL's tiny text stack: Qwen3's sizes, heads of 8 with multimodal rotary sections of 2 + 1 + 1 frequencies (time,
+# height, width, interleaved as the releases). Tiny vision tower: one block whose features also go to the deepstack.
+QWEN3_VL_TEXT = dict(COMMON, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+QWEN3_VL_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, temporal_patch_size=2,
+                       spatial_merge_size=2, out_hidden_size=COMMON["hidden_size"], num_position_embeddings=16,
+                       deepstack_visual_indexes=[0])
+VL_IMAGE, VL_VIDEO = COMMON["vocab_size"] - 1, COMMON["vocab_size"] - 2  # placeholder tokens (start/end: -3, -4)
+
+
+# Qwen3-VL-MoE's: layer 0 dense, layer 1 4 experts of 16 (top 2), the aux loss weighted 1.0.
+QWEN3_VL_MOE_TEXT = dict(QWEN3_VL_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         mlp_only_layers=[0], router_aux_loss_coef=1.0)
+
+
+def qwen3_vl(seed=0, moe=False, **text_overrides):
+    vocab = COMMON["vocab_size"]
+    config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    config = config_class(
+        text_config={**(QWEN3_VL_MOE_TEXT if moe else QWEN3_VL_TEXT), **text_overrides}, vision_config=QWEN3_VL_VISION,
+        image_token_id=VL_IMAGE, video_token_id=VL_VIDEO, vision_start_token_id=vocab - 3,
+        vision_end_token_id=vocab - 4,
+    )
+    torch.manual_seed(seed)
+    model_class = transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+    return model_class(config)
+
+
+def qwen3_vl_batch(seed, with_video=False):
+    """Batch 2 of SEQ tokens, row 1 left-padded by 6: an image of 4x4 patches (4 tokens after the 2x2 merge) in each
+    row, and with `with_video` a video of 2 frames of 4x4 patches (4 tokens each) in row 0; the placeholders' labels
+    ignored, as the processors' collators do. Returns the model's keyword arguments."""
+    vocab = COMMON["vocab_size"]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab - 8, (2, SEQ), generator=gen)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :6] = 0
+    ids[:, 9], ids[:, 10:14], ids[:, 14] = vocab - 3, VL_IMAGE, vocab - 4
+    patch = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
+    inputs = dict(pixel_values=torch.randn(2 * 16, patch, generator=gen), image_grid_thw=torch.tensor([[1, 4, 4]] * 2))
+    if with_video:  # one frame per grid row, as the processor lays a video out (its timestamps are text between)
+        for start in (20, 27):
+            ids[0, start], ids[0, start + 1 : start + 5], ids[0, start + 5] = vocab - 3, VL_VIDEO, vocab - 4
+        inputs.update(pixel_values_videos=torch.randn(2 * 16, patch, generator=gen),
+                      video_grid_thw=torch.tensor([[1, 4, 4]] * 2))
+    mm_token_type_ids = (ids == VL_IMAGE).int() + 2 * (ids == VL_VIDEO).int()
+    labels = ids.masked_fill((attention_mask == 0) | (mm_token_type_ids > 0), -100)
+    labels[0, torch.randperm(SEQ, generator=gen)[: SEQ // 4]] = -100
+    return dict(input_ids=ids, attention_mask=attention_mask, labels=labels, mm_token_type_ids=mm_token_type_ids,
+                **inputs)
+
+
+def qwen3_vl_step(model, inputs):
+    """(outputs, every parameter gradient, the names of the parameters that train)."""
+    model.train()
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads, {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_vl_step(result, reference, every_parameter=True):
+    """Same loss and gradients as the unsplit composite; with `every_parameter` (images in the batch), every
+    parameter that trains got a gradient."""
+    (out, grads, trained), (ref, ref_grads, _) = result, reference
+    assert_close(out.loss, ref.loss, what="loss")
+    assert grads.keys() == ref_grads.keys()
+    if every_parameter:
+        assert grads.keys() == trained, trained - grads.keys()
+    for name in ref_grads:
+        assert_close(grads[name], ref_grads[name], what=name)
+
+
+@pytest.mark.parametrize("chunk", [7, "auto"], ids=str)
+def test_qwen3_vl_text_config_flag(chunk, caplog):
+    """Qwen3-VL as users load it (`Qwen3VLForConditionalGeneration`), text only: `text_config.mini_sequence_chunk`
+    splits the text MLP and chunks the composite's LM head + loss (no logits); no 'ignored' warning."""
+    inputs = qwen3_vl_batch(zlib.crc32(f"qwen3-vl/{chunk}".encode()) % 1000)
+    text_only = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+    text_only["labels"] = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    reference = qwen3_vl_step(qwen3_vl(), text_only)
+    with caplog.at_level(logging.WARNING):
+        model = qwen3_vl(mini_sequence_chunk=chunk)
+    assert "ignored" not in caplog.text and "upstream's way" not in caplog.text
+    result = qwen3_vl_step(model, text_only)
+    assert (result[0].logits is None) == (chunk == 7)
+    assert_same_vl_step(result, reference, every_parameter=False)  # no image: the vision tower gets none
+
+
+@pytest.mark.parametrize(("chunk", "stream"), [(7, None), (4, 5), (4, 16)], ids=str)
+@pytest.mark.parametrize("with_video", [False, True], ids=["image", "image+video"])
+def test_qwen3_vl_with_images_and_videos(chunk, stream, with_video, monkeypatch):
+    """With an image per row (and a video in row 0), their multimodal rotary positions and deepstack features, a
+    left-padded row: mini-sequences, and both fields (every text layer streamed), exact against the unsplit composite,
+    the vision tower's and merger's gradients included."""
+    from transformers.mini_sequence import integration
+
+    inputs = qwen3_vl_batch(zlib.crc32(f"qwen3-vl/{chunk}/{stream}/{with_video}".encode()) % 1000, with_video)
+    reference = qwen3_vl_step(qwen3_vl(), inputs)
+    calls = count_streamed_calls(monkeypatch)
+    split_mlps = []
+    mlp = integration.mini_sequence_mlp
+    monkeypatch.setattr(integration, "mini_sequence_mlp", lambda *args, **kw: split_mlps.append(1) or mlp(*args, **kw))
+    model = qwen3_vl(mini_sequence_chunk=chunk, streaming_backward_chunk=stream)
+    result = qwen3_vl_step(model, inputs)
+    layers = COMMON["num_hidden_layers"]
+    # Streamed: every text layer, its MLP unsplit inside the chunks; else each text MLP by mini-sequences.
+    assert (len(calls), len(split_mlps)) == ((0, layers) if stream is None else (layers, 0))
+    assert result[0].logits is None  # the chunked LM head + loss
+    assert any("visual.deepstack" in name for name in reference[1]) and any("visual.blocks" in n for n in reference[1])
+    assert_same_vl_step(result, reference)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "flash_attention_2"])
+def test_qwen3_vl_streams_with_eager_and_flash_attention(implementation, flash_reference, monkeypatch):
+    """Both fields with the text stack's other attention implementations (flash_attention_2: upstream's path with the
+    reference kernels of tests/test_streaming.py, each row's padding as its own cu_seq_lens): exact."""
+    inputs = qwen3_vl_batch(zlib.crc32(f"qwen3-vl/{implementation}".encode()) % 1000, with_video=True)
+
+    def built(**fields):
+        model = qwen3_vl(**fields)
+        model.config.text_config._attn_implementation = implementation
+        return model
+
+    reference = qwen3_vl_step(built(), inputs)
+    calls = count_streamed_calls(monkeypatch)
+    result = qwen3_vl_step(built(mini_sequence_chunk=4, streaming_backward_chunk=5), inputs)
+    assert len(calls) == COMMON["num_hidden_layers"]
+    if implementation == "flash_attention_2":
+        assert "reference_flash_varlen" in flash_reference.calls
+    assert_same_vl_step(result, reference)
+
+
+@pytest.mark.parametrize(("chunk", "stream"), [(7, None), (4, 5)], ids=str)
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_qwen3_vl_moe_with_images_videos_and_aux_loss(chunk, stream, implementation, monkeypatch):
+    """Qwen3-VL-MoE with an image per row and a video, the router's aux loss on (`output_router_logits=True`): its MoE
+    block by mini-sequences of tokens (router logits recorded once, whole), and both fields (every text layer
+    streamed): the loss with its aux loss, the aux loss itself and every gradient exact."""
+    inputs = qwen3_vl_batch(zlib.crc32(f"qwen3-vl-moe/{chunk}/{stream}/{implementation}".encode()) % 1000, True)
+    inputs["output_router_logits"] = True
+
+    def built(**fields):
+        model = qwen3_vl(moe=True, **fields)
+        model.config.text_config._attn_implementation = implementation
+        return model
+
+    from transformers.mini_sequence import integration
+
+    reference = qwen3_vl_step(built(), inputs)
+    calls = count_streamed_calls(monkeypatch)
+    split = []
+    for name in ("mini_sequence_mlp", "mini_sequence_moe"):
+        real = getattr(integration, name)
+        monkeypatch.setattr(integration, name, lambda *a, real=real, name=name, **kw: split.append(name) or real(*a, **kw))
+    result = qwen3_vl_step(built(mini_sequence_chunk=chunk, streaming_backward_chunk=stream), inputs)
+    # Streamed: both text layers, their blocks unsplit inside the chunks; else layer 0's MLP and layer 1's MoE block
+    # by mini-sequences.
+    streamed = stream is not None
+    assert len(calls) == (COMMON["num_hidden_layers"] if streamed else 0)
+    assert split == ([] if streamed else ["mini_sequence_mlp", "mini_sequence_moe"])
+    assert result[0].logits is None and reference[0].aux_loss is not None
+    assert_close(result[0].aux_loss, reference[0].aux_loss, what="aux_loss")
+    assert any(".mlp.experts." in name for name in reference[1])
+    assert_same_vl_step(result, reference)
+
+
+@pytest.mark.parametrize("composite", ["gemma3", "gemma4", "qwen3_vl", "qwen3_vl_moe"])
+def test_composite_checkpoint_takes_the_fields_from_from_pretrained(composite, tmp_path, caplog, monkeypatch):
+    """What users run: `AutoModelForImageTextToText.from_pretrained(path, mini_sequence_chunk=..., ...)` puts the
+    fields on the composite's config, while its text stack and head read its text config: they are carried there
+    (until mst.26 they were warned about as ignored on the composite and never applied). The chunked loss runs, every
+    text layer streams, and the step equals the checkpoint's loaded without the fields."""
+    build = {"gemma3": gemma3_multimodal, "gemma4": gemma4_multimodal, "qwen3_vl": qwen3_vl,
+             "qwen3_vl_moe": lambda: qwen3_vl(moe=True)}[composite]
+    build().save_pretrained(tmp_path)
+    input_ids, attention_mask, labels = batch(zlib.crc32(composite.encode()) % 1000, high=COMMON["vocab_size"] - 8)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    reference = qwen3_vl_step(transformers.AutoModelForImageTextToText.from_pretrained(tmp_path), inputs)
+    calls = count_streamed_calls(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        model = transformers.AutoModelForImageTextToText.from_pretrained(
+            tmp_path, mini_sequence_chunk=7, streaming_backward_chunk=5
+        )
+    assert "ignored" not in caplog.text
+    text_config = model.config.get_text_config()
+    assert (text_config.mini_sequence_chunk, text_config.streaming_backward_chunk) == (7, 5)
+    result = qwen3_vl_step(model, inputs)
+    assert result[0].logits is None and len(calls) == COMMON["num_hidden_layers"]
+    assert_same_vl_step(result, reference, every_parameter=False)  # no image: the vision tower gets none
 
 
 # ----------------------------------------------------------------------------- MoE: the auxiliary loss

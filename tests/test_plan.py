@@ -579,6 +579,16 @@ def test_gemma3_multimodal_config_plans_its_text_stack(tmp_path):
     assert loaded.model_type == "gemma3_text" and loaded.hidden_size == 128
 
 
+def test_qwen3_vl_config_is_refused_with_its_reason(tmp_path):
+    """Qwen3-VL's text stack trains inside its composite only: no causal-LM class builds it alone, so the planner
+    says so (and what to plan instead) rather than failing inside AutoModelForCausalLM."""
+    transformers.Qwen3VLConfig(text_config=dict(vocab_size=1024, hidden_size=128, intermediate_size=256,
+                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                head_dim=64)).save_pretrained(tmp_path)
+    with pytest.raises(plan.PlanError, match=r"'qwen3_vl_text' has no causal-LM class upstream.*\(Qwen3-VL: `qwen3`;"):
+        plan.load_config(str(tmp_path / "config.json"))
+
+
 # --- pinned numbers: what the planner computed before any change for speed -------------------------------------
 
 PINNED_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,

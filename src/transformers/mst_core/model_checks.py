@@ -64,6 +64,15 @@ def validate_fields(config) -> None:
 CONSTRUCTION_HOOKS = []
 
 
+def _fields_config(config):
+    """The config our fields apply from: the Gemma-3, Gemma-4, Qwen3-VL and Qwen3-VL-MoE composites (`text_config` in
+    the registry) read them from their text config, where their text stack and their head look; any other model its
+    own."""
+    if getattr(config, "model_type", None) in TEXT_CONFIG_LM_HEAD_MODEL_TYPES:
+        return config.get_text_config()
+    return config
+
+
 def check_model(model) -> None:
     """Validate every field of ours on `model.config`; warn once per model type for each field it would ignore.
 
@@ -74,10 +83,17 @@ def check_model(model) -> None:
     config = model.config
     model_type = getattr(config, "model_type", None)
     validate_fields(config)
-    if any(getattr(config, field, None) is not None for field in CONFIG_FIELDS):
+    fields_config = _fields_config(config)
+    if fields_config is not config:
+        # `from_pretrained(path, mini_sequence_chunk=...)` (AutoModelForImageTextToText too) puts the field on the
+        # composite's config: carried to where it applies, and checked there.
+        carry_fields_to_text_config(config, fields_config)
+        validate_fields(fields_config)
+    if any(getattr(fields_config, field, None) is not None for field in CONFIG_FIELDS):
         model.register_forward_pre_hook(check_forwards_at_first_training_step)
     for hook in CONSTRUCTION_HOOKS:
         hook(model)
+    config, model_type = fields_config, getattr(fields_config, "model_type", None)
     for field, field_model_types in FIELD_MODEL_TYPES.items():
         value = getattr(config, field, None)
         if value is not None and model_type not in field_model_types:
@@ -132,7 +148,7 @@ def _replaced_paths(model) -> list[str]:
     """One line per path of ours that a foreign forward bypasses in `model`."""
     from ..modeling_layers import GradientCheckpointingLayer
 
-    config = model.config
+    config = _fields_config(model.config)
     found = []
     if getattr(config, MINI_SEQUENCE_FIELD, None) is not None:
         if hasattr(model, "lm_head"):

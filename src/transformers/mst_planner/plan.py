@@ -179,6 +179,11 @@ def load_config(model: str):
     if config.model_type not in MINI_SEQUENCE_MODEL_TYPES:
         raise PlanError(f"--model {model}: model_type {config.model_type!r} is not supported; "
                         f"supported: {', '.join(MINI_SEQUENCE_MODEL_TYPES + TEXT_CONFIG_LM_HEAD_MODEL_TYPES)}")
+    if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
+        # Qwen3-VL's text stack trains inside its composite only: upstream has no causal-LM class to build it alone.
+        raise PlanError(f"--model {model}: model_type {config.model_type!r} has no causal-LM class upstream for the "
+                        "planner to build its text stack alone; plan a config of the same sizes of the family its "
+                        "layers come from (Qwen3-VL: `qwen3`; Qwen3-VL-MoE: `qwen3_moe`)")
     return config
 
 
