@@ -579,14 +579,23 @@ def test_gemma3_multimodal_config_plans_its_text_stack(tmp_path):
     assert loaded.model_type == "gemma3_text" and loaded.hidden_size == 128
 
 
-def test_qwen3_vl_config_is_refused_with_its_reason(tmp_path):
-    """Qwen3-VL's text stack trains inside its composite only: no causal-LM class builds it alone, so the planner
-    says so (and what to plan instead) rather than failing inside AutoModelForCausalLM."""
-    transformers.Qwen3VLConfig(text_config=dict(vocab_size=1024, hidden_size=128, intermediate_size=256,
-                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                                head_dim=64)).save_pretrained(tmp_path)
-    with pytest.raises(plan.PlanError, match=r"'qwen3_vl_text' has no causal-LM class upstream.*\(Qwen3-VL: `qwen3`;"):
-        plan.load_config(str(tmp_path / "config.json"))
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vl_config_plans_its_text_stack_as_qwen3_layers(moe, tmp_path):
+    """Qwen3-VL's text stack trains inside its composite only (no causal-LM class upstream builds it alone): the
+    planner plans it as Qwen3's (Qwen3-MoE's) layers of the same sizes, with the composite's tied or untied head."""
+    text = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                                                      "mrope_section": [16, 8, 8]})
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    composite = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    composite(text_config=text, tie_word_embeddings=True).save_pretrained(tmp_path)
+    loaded = plan.load_config(str(tmp_path / "config.json"))
+    assert loaded.model_type == ("qwen3_moe" if moe else "qwen3") and loaded.tie_word_embeddings
+    assert (loaded.hidden_size, loaded.intermediate_size, loaded.head_dim, loaded.num_key_value_heads) == (128, 256, 64, 1)
+    assert loaded.rope_parameters["rope_theta"] == 5e5 and (not moe or loaded.num_experts == 4)
+    planner = plan.Planner(loaded, optimizer="none")
+    assert 0 < planner.step_peak_bytes("mini_sequence+streaming", 256) < planner.step_peak_bytes("vanilla", 256)
 
 
 # --- pinned numbers: what the planner computed before any change for speed -------------------------------------

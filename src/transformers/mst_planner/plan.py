@@ -175,16 +175,34 @@ def load_config(model: str):
     except (OSError, ValueError) as err:
         raise PlanError(f"--model {model}: cannot read a config.json there ({err})") from None
     if config.model_type in TEXT_CONFIG_LM_HEAD_MODEL_TYPES:  # Gemma-3: the planner plans the text stack
-        config = config.get_text_config()
+        composite, config = config, config.get_text_config()
+        if config.model_type in PLANNED_AS:
+            config = _planned_as(config, composite)
     if config.model_type not in MINI_SEQUENCE_MODEL_TYPES:
         raise PlanError(f"--model {model}: model_type {config.model_type!r} is not supported; "
                         f"supported: {', '.join(MINI_SEQUENCE_MODEL_TYPES + TEXT_CONFIG_LM_HEAD_MODEL_TYPES)}")
     if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
-        # Qwen3-VL's text stack trains inside its composite only: upstream has no causal-LM class to build it alone.
         raise PlanError(f"--model {model}: model_type {config.model_type!r} has no causal-LM class upstream for the "
-                        "planner to build its text stack alone; plan a config of the same sizes of the family its "
-                        "layers come from (Qwen3-VL: `qwen3`; Qwen3-VL-MoE: `qwen3_moe`)")
+                        "planner to build alone; plan a config of the same sizes of the family its layers come from")
     return config
+
+
+# Text stacks that train inside their composite only, with no causal-LM class upstream that builds them alone: planned
+# as the family whose layers they are, with the same sizes. Qwen3-VL's layers are Qwen3's (its multimodal rotary
+# sections split the same rotary dimensions: no tensor changes size), Qwen3-VL-MoE's Qwen3-MoE's; the vision tower is
+# not planned, as Gemma-3's is not.
+PLANNED_AS = {"qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
+
+
+def _planned_as(text_config, composite):
+    """`text_config` as a config of its `PLANNED_AS` family: the same values, a plain rotary embedding of the same
+    dimensions, and the composite's tied or untied head."""
+    values = {k: v for k, v in text_config.to_dict().items()
+              if k not in ("_name_or_path", "model_type", "output_attentions")}
+    rope = values.get("rope_parameters") or {}
+    values["rope_parameters"] = {k: rope[k] for k in ("rope_type", "rope_theta") if k in rope} or None
+    values["tie_word_embeddings"] = getattr(composite, "tie_word_embeddings", False)
+    return getattr(transformers, FAMILIES[PLANNED_AS[text_config.model_type]].config_class)(**values)
 
 
 class Planner:
