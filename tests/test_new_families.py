@@ -303,6 +303,15 @@ def test_gemma3_conditional_generation_streams_images(chunk, monkeypatch):
 # ----------------------------------------------------------------------------- Qwen3.5-MoE, Qwen3-Next
 
 
+def assert_as_accurate_as_upstream(ours, upstream, fp64, names, where=""):
+    """Each gradient in `names` as close to fp64 as upstream's fp32 one: within twice its error (relative to the fp64
+    tensor's scale), plus 1e-6."""
+    for name in names:
+        err, err_up = [((g[name].double() - fp64[name]).abs().max() / fp64[name].abs().max()).item()
+                       for g in (ours, upstream)]
+        assert err <= 2 * err_up + 1e-6, f"{where}{name}: {err:.2e} from fp64, upstream fp32 {err_up:.2e}"
+
+
 @pytest.mark.parametrize("family", sorted(FP64_CHECKED))
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_linear_attention_moe_decay_gradients_as_accurate_as_upstream(family, checkpointing):
@@ -321,10 +330,7 @@ def test_linear_attention_moe_decay_gradients_as_accurate_as_upstream(family, ch
         fp64, upstream, ours = grads(torch.float64, None), grads(torch.float32, None), grads(torch.float32, 7)
         checked = [name for name in fp64 if name.endswith(FP64_CHECKED[family])]
         assert len(checked) == len(FP64_CHECKED[family])
-        for name in checked:
-            err, err_up = [((g[name].double() - fp64[name]).abs().max() / fp64[name].abs().max()).item()
-                           for g in (ours, upstream)]
-            assert err <= 2 * err_up + 1e-6, f"seed {seed}, {name}: {err:.2e} from fp64, upstream fp32 {err_up:.2e}"
+        assert_as_accurate_as_upstream(ours, upstream, fp64, checked, where=f"seed {seed}, ")
 
 
 # ----------------------------------------------------------------------------- Llama-4
@@ -379,6 +385,17 @@ def test_gemma4_text_shared_kv_double_wide_mlp_and_moe_block(chunk):
     assert_same_step(train_step(model, *inputs), reference)
 
 
+def count_split_blocks(monkeypatch):
+    """A list that gets the name of each mini-sequence path that splits an MLP or a MoE block, as it runs."""
+    from transformers.mini_sequence import integration
+
+    split = []
+    for name in ("mini_sequence_mlp", "mini_sequence_moe"):
+        real = getattr(integration, name)
+        monkeypatch.setattr(integration, name, lambda *a, real=real, name=name, **kw: split.append(name) or real(*a, **kw))
+    return split
+
+
 def count_streamed_calls(monkeypatch):
     """A list that gets one item per call of the streamed layer's Function."""
     from transformers.streaming_backward import layer as streamed_layer
@@ -406,10 +423,7 @@ def test_gemma4_text_streams_with_per_layer_inputs_and_moe_block(chunk, monkeypa
     assert len(calls) == parts["num_hidden_layers"]
     assert_close(ours[0].loss, upstream[0].loss, what="loss")
     assert ours[1].keys() == upstream[1].keys() == fp64[1].keys() and any("per_layer" in n for n in ours[1])
-    for name, expected in fp64[1].items():
-        err, err_up = [((g[1][name].double() - expected).abs().max() / expected.abs().max()).item()
-                       for g in (ours, upstream)]
-        assert err <= 2 * err_up + 1e-6, f"{name}: {err:.2e} from fp64, upstream fp32 {err_up:.2e}"
+    assert_as_accurate_as_upstream(ours[1], upstream[1], fp64[1], fp64[1])
 
 
 def test_gemma4_text_with_shared_kv_not_streamed_and_warned(monkeypatch, caplog):
@@ -547,7 +561,7 @@ def qwen3_vl_batch(seed, with_video=False):
                 **inputs)
 
 
-def qwen3_vl_step(model, inputs):
+def composite_step(model, inputs):
     """(outputs, every parameter gradient, the names of the parameters that train)."""
     model.train()
     out = model(**inputs)
@@ -556,7 +570,7 @@ def qwen3_vl_step(model, inputs):
     return out, grads, {n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def assert_same_vl_step(result, reference, every_parameter=True):
+def assert_same_composite_step(result, reference, every_parameter=True):
     """Same loss and gradients as the unsplit composite; with `every_parameter` (images in the batch), every
     parameter that trains got a gradient."""
     (out, grads, trained), (ref, ref_grads, _) = result, reference
@@ -575,13 +589,13 @@ def test_qwen3_vl_text_config_flag(chunk, caplog):
     inputs = qwen3_vl_batch(zlib.crc32(f"qwen3-vl/{chunk}".encode()) % 1000)
     text_only = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
     text_only["labels"] = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
-    reference = qwen3_vl_step(qwen3_vl(), text_only)
+    reference = composite_step(qwen3_vl(), text_only)
     with caplog.at_level(logging.WARNING):
         model = qwen3_vl(mini_sequence_chunk=chunk)
     assert "ignored" not in caplog.text and "upstream's way" not in caplog.text
-    result = qwen3_vl_step(model, text_only)
+    result = composite_step(model, text_only)
     assert (result[0].logits is None) == (chunk == 7)
-    assert_same_vl_step(result, reference, every_parameter=False)  # no image: the vision tower gets none
+    assert_same_composite_step(result, reference, every_parameter=False)  # no image: the vision tower gets none
 
 
 @pytest.mark.parametrize(("chunk", "stream"), [(7, None), (4, 5), (4, 16)], ids=str)
@@ -590,22 +604,17 @@ def test_qwen3_vl_with_images_and_videos(chunk, stream, with_video, monkeypatch)
     """With an image per row (and a video in row 0), their multimodal rotary positions and deepstack features, a
     left-padded row: mini-sequences, and both fields (every text layer streamed), exact against the unsplit composite,
     the vision tower's and merger's gradients included."""
-    from transformers.mini_sequence import integration
-
     inputs = qwen3_vl_batch(zlib.crc32(f"qwen3-vl/{chunk}/{stream}/{with_video}".encode()) % 1000, with_video)
-    reference = qwen3_vl_step(qwen3_vl(), inputs)
-    calls = count_streamed_calls(monkeypatch)
-    split_mlps = []
-    mlp = integration.mini_sequence_mlp
-    monkeypatch.setattr(integration, "mini_sequence_mlp", lambda *args, **kw: split_mlps.append(1) or mlp(*args, **kw))
+    reference = composite_step(qwen3_vl(), inputs)
+    calls, split = count_streamed_calls(monkeypatch), count_split_blocks(monkeypatch)
     model = qwen3_vl(mini_sequence_chunk=chunk, streaming_backward_chunk=stream)
-    result = qwen3_vl_step(model, inputs)
+    result = composite_step(model, inputs)
     layers = COMMON["num_hidden_layers"]
     # Streamed: every text layer, its MLP unsplit inside the chunks; else each text MLP by mini-sequences.
-    assert (len(calls), len(split_mlps)) == ((0, layers) if stream is None else (layers, 0))
+    assert (len(calls), len(split)) == ((0, layers) if stream is None else (layers, 0))
     assert result[0].logits is None  # the chunked LM head + loss
     assert any("visual.deepstack" in name for name in reference[1]) and any("visual.blocks" in n for n in reference[1])
-    assert_same_vl_step(result, reference)
+    assert_same_composite_step(result, reference)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "flash_attention_2"])
@@ -619,13 +628,13 @@ def test_qwen3_vl_streams_with_eager_and_flash_attention(implementation, flash_r
         model.config.text_config._attn_implementation = implementation
         return model
 
-    reference = qwen3_vl_step(built(), inputs)
+    reference = composite_step(built(), inputs)
     calls = count_streamed_calls(monkeypatch)
-    result = qwen3_vl_step(built(mini_sequence_chunk=4, streaming_backward_chunk=5), inputs)
+    result = composite_step(built(mini_sequence_chunk=4, streaming_backward_chunk=5), inputs)
     assert len(calls) == COMMON["num_hidden_layers"]
     if implementation == "flash_attention_2":
         assert "reference_flash_varlen" in flash_reference.calls
-    assert_same_vl_step(result, reference)
+    assert_same_composite_step(result, reference)
 
 
 @pytest.mark.parametrize(("chunk", "stream"), [(7, None), (4, 5)], ids=str)
@@ -642,15 +651,9 @@ def test_qwen3_vl_moe_with_images_videos_and_aux_loss(chunk, stream, implementat
         model.config.text_config._attn_implementation = implementation
         return model
 
-    from transformers.mini_sequence import integration
-
-    reference = qwen3_vl_step(built(), inputs)
-    calls = count_streamed_calls(monkeypatch)
-    split = []
-    for name in ("mini_sequence_mlp", "mini_sequence_moe"):
-        real = getattr(integration, name)
-        monkeypatch.setattr(integration, name, lambda *a, real=real, name=name, **kw: split.append(name) or real(*a, **kw))
-    result = qwen3_vl_step(built(mini_sequence_chunk=chunk, streaming_backward_chunk=stream), inputs)
+    reference = composite_step(built(), inputs)
+    calls, split = count_streamed_calls(monkeypatch), count_split_blocks(monkeypatch)
+    result = composite_step(built(mini_sequence_chunk=chunk, streaming_backward_chunk=stream), inputs)
     # Streamed: both text layers, their blocks unsplit inside the chunks; else layer 0's MLP and layer 1's MoE block
     # by mini-sequences.
     streamed = stream is not None
@@ -659,7 +662,7 @@ def test_qwen3_vl_moe_with_images_videos_and_aux_loss(chunk, stream, implementat
     assert result[0].logits is None and reference[0].aux_loss is not None
     assert_close(result[0].aux_loss, reference[0].aux_loss, what="aux_loss")
     assert any(".mlp.experts." in name for name in reference[1])
-    assert_same_vl_step(result, reference)
+    assert_same_composite_step(result, reference)
 
 
 @pytest.mark.parametrize("composite", ["gemma3", "gemma4", "qwen3_vl", "qwen3_vl_moe"])
@@ -673,7 +676,7 @@ def test_composite_checkpoint_takes_the_fields_from_from_pretrained(composite, t
     build().save_pretrained(tmp_path)
     input_ids, attention_mask, labels = batch(zlib.crc32(composite.encode()) % 1000, high=COMMON["vocab_size"] - 8)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    reference = qwen3_vl_step(transformers.AutoModelForImageTextToText.from_pretrained(tmp_path), inputs)
+    reference = composite_step(transformers.AutoModelForImageTextToText.from_pretrained(tmp_path), inputs)
     calls = count_streamed_calls(monkeypatch)
     with caplog.at_level(logging.WARNING):
         model = transformers.AutoModelForImageTextToText.from_pretrained(
@@ -682,9 +685,9 @@ def test_composite_checkpoint_takes_the_fields_from_from_pretrained(composite, t
     assert "ignored" not in caplog.text
     text_config = model.config.get_text_config()
     assert (text_config.mini_sequence_chunk, text_config.streaming_backward_chunk) == (7, 5)
-    result = qwen3_vl_step(model, inputs)
+    result = composite_step(model, inputs)
     assert result[0].logits is None and len(calls) == COMMON["num_hidden_layers"]
-    assert_same_vl_step(result, reference, every_parameter=False)  # no image: the vision tower gets none
+    assert_same_composite_step(result, reference, every_parameter=False)  # no image: the vision tower gets none
 
 
 # ----------------------------------------------------------------------------- MoE: the auxiliary loss

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import run_py
-from transformers.mst_core import wrappers
+from transformers.mst_core import families, wrappers
 from transformers.mst_core.memory import LiveTensorTracker
 from transformers.mst_planner import cli, plan, search, standins
 from transformers.streaming_backward.config import streaming_chunk_size
@@ -577,6 +577,15 @@ def test_gemma3_multimodal_config_plans_its_text_stack(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = plan.load_config(str(tmp_path / "config.json"))
     assert loaded.model_type == "gemma3_text" and loaded.hidden_size == 128
+
+
+def test_every_planned_family_builds_as_a_causal_lm():
+    """The planner builds `AutoModelForCausalLM.from_config(config)`: every model type with a mini-sequence path has a
+    causal-LM class upstream, or a family it is planned as (`PLANNED_AS`: Qwen3-VL's text stacks)."""
+    for model_type in plan.MINI_SEQUENCE_MODEL_TYPES:
+        planned = plan.PLANNED_AS.get(model_type, model_type)
+        config_class = getattr(transformers, families.FAMILIES[planned].config_class)
+        assert config_class in transformers.AutoModelForCausalLM._model_mapping, model_type
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3_vl", "qwen3_vl_moe"])

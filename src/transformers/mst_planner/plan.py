@@ -139,8 +139,8 @@ def family_refusal(method: str, config):
     if settings.streaming_backward_chunk is not None and model_type not in STREAMING_MODEL_TYPES:
         return (f"model_type {model_type!r} has no streaming_backward_chunk path (not implemented yet; "
                 f"streamed families: {', '.join(STREAMING_MODEL_TYPES)})")
-    if settings.streaming_backward_chunk is not None and streaming_refusal(config) is not None:
-        return f"streaming_backward_chunk is ignored with {streaming_refusal(config)}"
+    if settings.streaming_backward_chunk is not None and (refusal := streaming_refusal(config)) is not None:
+        return f"streaming_backward_chunk is ignored with {refusal}"
     if settings.mini_sequence_chunk is not None and model_type not in MINI_SEQUENCE_MODEL_TYPES:
         return f"model_type {model_type!r} has no mini_sequence_chunk path (families: {', '.join(MINI_SEQUENCE_MODEL_TYPES)})"
     return None
@@ -181,9 +181,6 @@ def load_config(model: str):
     if config.model_type not in MINI_SEQUENCE_MODEL_TYPES:
         raise PlanError(f"--model {model}: model_type {config.model_type!r} is not supported; "
                         f"supported: {', '.join(MINI_SEQUENCE_MODEL_TYPES + TEXT_CONFIG_LM_HEAD_MODEL_TYPES)}")
-    if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
-        raise PlanError(f"--model {model}: model_type {config.model_type!r} has no causal-LM class upstream for the "
-                        "planner to build alone; plan a config of the same sizes of the family its layers come from")
     return config
 
 
@@ -425,7 +422,7 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
     methods = list(methods)
     check_methods(methods, parallel)
     config = load_config(model)
-    not_planned = {m: family_refusal(m, config) for m in methods if family_refusal(m, config)}
+    not_planned = {m: why for m in methods if (why := family_refusal(m, config))}
     if len(not_planned) == len(methods):
         raise PlanError(f"--model {model}: none of the methods can be planned for this family: "
                         + "; ".join(f"{m}: {why}" for m, why in not_planned.items()))
