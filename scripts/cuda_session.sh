@@ -42,8 +42,8 @@ part() {  # part SECONDS NAME COMMAND...: the command's output to $OUT/NAME.txt,
     echo "=== $name: exit $? after $(( $(date +%s) - start )) s"
 }
 
-part 150 steps_4096_16384_32768 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 16384 32768 "${merge[@]}" --no-exactness \
-    --no-streaming --out "$OUT/steps" --methods checkpointing mini_sequence mini_sequence+checkpointing
+part 160 steps_4096_16384_32768 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 16384 32768 "${merge[@]}" --no-exactness \
+    --no-streaming --out "$OUT/steps" --methods vanilla checkpointing mini_sequence mini_sequence+checkpointing
 # the same step with the accumulating LM head: the planner says slicing lowers no peak there (docs/cuda/README.md)
 part 60 steps_accumulating_head_16384_32768 "$PY" scripts/cuda_check.py "${model[@]}" --seq 16384 32768 "${merge[@]}" \
     --no-exactness --no-streaming --out "$OUT/steps_accumulating_head" --methods mini_sequence+checkpointing --head accumulating
@@ -58,6 +58,9 @@ for chunk in 4096 8192; do
         --no-streaming --no-planner --methods streaming --streaming-chunk "$chunk" --out "$OUT/streaming_chunk_$chunk"
 done
 part 60 profile_streaming_16384 "$PY" scripts/cuda_check.py "${model[@]}" --profile --seq 16384 --methods mini_sequence+streaming
+# where mini_sequence+checkpointing's time goes against checkpointing's (the 0.97x target)
+part 70 profile_ms_checkpointing_16384 "$PY" scripts/cuda_check.py "${model[@]}" --profile --seq 16384 \
+    --methods checkpointing mini_sequence+checkpointing
 part 140 compiled_4096 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 "${merge[@]}" --no-exactness --no-streaming \
     --out "$OUT/compiled" --methods mini_sequence+checkpointing+compile checkpointing+compile streaming+compile
 echo "total $(( $(date +%s) - start )) s"

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformers import Gemma2Config, LlamaConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -691,6 +692,58 @@ def test_loss_vocab_sliced_fp32_out_gemms(loss_backends, monkeypatch):
     hidden64 = hidden.detach().double().requires_grad_()
     ref_grads = torch.autograd.grad(big_vocab_loss(hidden64, head64, labels), [hidden64, head64.weight])
     assert_as_accurate_as_upstream(got_grads, up_grads, ref_grads, ["hidden grad", "weight grad"])
+
+
+class _CountTorchCalls(TorchDispatchMode):
+    """Counts the aten calls that are not views (each a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def _blocks(length, row_blocks):
+    rows = -(-length // row_blocks)
+    return -(-length // rows)
+
+
+@pytest.mark.parametrize("path", ["own", "sliced"])
+def test_loss_row_blocks_cost_few_torch_calls(path, loss_backends, monkeypatch):
+    # On a GPU the loss's row blocks are small and their kernel launches set its time: a block may only run its
+    # [rows, V] passes, everything per token is done once per chunk or slice. Until mst.27 a block ran 17 calls in
+    # the forward and 10 in the sliced backward (LM head alone on an H200, d=4096, 8K tokens, V=32000: 52.8 ms, now
+    # 24.2). Counted: the extra calls of a run with twice the row blocks.
+    chunk = 37
+    if path == "own":
+        monkeypatch.setattr(ms_loss, "_vocab_sliced_backward_pays", lambda *args: False)
+    head, hidden, labels = sliced_case(49)
+    tokens = hidden.shape[0] * hidden.shape[1]
+    chunks = [min(chunk, tokens - start) for start in range(0, tokens, chunk)]
+    slices = -(-V_BIG // ms_loss._vocab_slice_rows(V_BIG, tokens, chunk, D))
+
+    def calls_and_blocks(row_blocks):
+        monkeypatch.setattr(ms_loss, "_ROW_BLOCKS_PER_CHUNK", row_blocks)
+        with _CountTorchCalls() as counter:
+            loss = mini_sequence_causal_lm_loss(hidden, head, labels, chunk_size=chunk, vocab_size=V_BIG)
+            torch.autograd.grad(loss, [hidden, head.weight])
+        if path == "own":  # one pass per block: the loss and its gradient
+            return counter.calls, {"pass": sum(_blocks(c, row_blocks) for c in chunks)}
+        return counter.calls, {"forward": sum(_blocks(c, 2 * row_blocks) for c in chunks),
+                               "backward": slices * _blocks(tokens, row_blocks)}
+
+    calls_few, blocks_few = calls_and_blocks(4)
+    calls_many, blocks_many = calls_and_blocks(8)
+    assert loss_backends[path] == 2
+    extra = {kind: blocks_many[kind] - blocks_few[kind] for kind in blocks_few}
+    assert all(n > 0 for n in extra.values()), extra
+    # own: log_softmax (after its fp32 copy), gather, exp_, mul_, scatter_add_, copy_ into the logits' dtype;
+    # sliced: the forward's fp32 copy, log_softmax and gather; the backward's sub, exp_, scatter_add_ and mul
+    budget = {"pass": 7, "forward": 3, "backward": 4}
+    assert calls_many - calls_few <= sum(budget[kind] * n for kind, n in extra.items()), (calls_many - calls_few, extra)
 
 
 def test_loss_vocab_sliced_divisors_and_incoming_gradient(loss_backends):
