@@ -46,3 +46,19 @@ def test_cuda_session_runs_only_the_parts_asked_for(tmp_path):
     started = [line.split()[3].rstrip(":") for line in result.stdout.splitlines() if line.startswith("=== [")]
     assert started == ["lm_head_bf16_d4096"], result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lm_head_bf16_d4096.txt"]
+
+
+def test_cuda_ab_imports_the_build_it_names(tmp_path):
+    """scripts/cuda_ab.sh installs each wheel apart and runs a part with that build imported (the wheel `make test`
+    built stands for both sides here; on a GPU they are two commits' wheels)."""
+    wheels = sorted((REPO / "dist").glob("transformers-*.whl"))
+    assert len(wheels) == 1, f"expected the one wheel `make wheel` builds in dist/, found {wheels}"
+    env = dict(os.environ, OUT=str(tmp_path / "out"), SITE_DIR=str(tmp_path), MODEL="tiny", PARTS="steps_old", SEQS="128",
+               OLD=str(wheels[0]), NEW=str(wheels[0]), PYTHON=sys.executable, PLAN=str(tmp_path / "no_plan.json"))
+    result = subprocess.run(["bash", str(REPO / "scripts" / "cuda_ab.sh")], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "=== steps_old: exit 0" in result.stdout, result.stdout + (tmp_path / "out" / "steps_old.txt").read_text()
+    report = json.loads((tmp_path / "out" / "steps_old" / "cuda_check_128.json").read_text())
+    assert report["transformers"] == wheels[0].name.split("-")[1]
+    assert [row["method"] for row in report["steps"]] == ["checkpointing", "mini_sequence+checkpointing"]

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Same-machine A/B of two builds of this distribution on a GPU: the step times of checkpointing and
+# mini_sequence+checkpointing and the LM head against its anchors, for each wheel, on one machine in one call
+# (H100 and H200 machines differ by up to 25% on the same step: compare only what ran together).
+#
+# Prepare where pip works: the two wheels (`make wheel` at each commit), the anchor's DeepSpeed wheels and the
+# planner's file (see scripts/cuda_session.sh). Then on the GPU machine, from the repository root:
+#   OLD=a.whl NEW=b.whl WHEELS=".whl/*.whl" OUT=<folder> bash scripts/cuda_ab.sh
+# PARTS="name ..." runs only the named parts (steps_new steps_old anchors_new anchors_old steps_new_accumulating
+# profile_new), in that order. docs/cuda/README.md records such runs.
+set -u
+PY=${PYTHON:-python3}
+OUT=${OUT:-out/cuda_ab}
+PLAN=${PLAN:-out/planner/planner_4096_16384_32768.json}
+MODEL=${MODEL:-llama-1b}  # MODEL=tiny: a CPU smoke run (the GPU-only parts fail fast)
+read -r -a seqs <<< "${SEQS:-16384 32768}"  # the lengths both builds are timed at (steps_new adds 4096)
+: "${OLD:?OLD=<wheel of the build to compare against>}" "${NEW:?NEW=<wheel of the build under test>}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+for side in old new; do
+    wheel=$OLD
+    [ "$side" = new ] && wheel=$NEW
+    # shellcheck disable=SC2086 # WHEELS is a list of globs
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "${SITE_DIR:-/tmp}/mst_ab_$side" \
+        "$wheel" ${WHEELS:-} || exit 1
+done
+merge=()
+[ -f "$PLAN" ] && merge=(--no-planner --merge-planner "$PLAN")
+
+part() {  # part SECONDS NAME old|new COMMAND...: the command's output to $OUT/NAME.txt with that build imported
+    local limit=$1 name=$2 side=$3
+    shift 3
+    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then
+        return
+    fi
+    echo "=== [$(( $(date +%s) - start )) s] $name: $*"
+    PYTHONPATH=${SITE_DIR:-/tmp}/mst_ab_$side${PYTHONPATH:+:$PYTHONPATH} timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    echo "=== $name: exit $? after $(( $(date +%s) - start )) s"
+}
+
+steps=(scripts/cuda_check.py --model "$MODEL" "${merge[@]}" --no-exactness --no-streaming)
+anchors=(scripts/lm_head_anchors.py --device cuda --hidden 4096 --dtypes bf16 --tokens 8192 32768)
+part 60 steps_new new "$PY" "${steps[@]}" --seq 4096 "${seqs[@]}" --out "$OUT/steps_new" \
+    --methods checkpointing mini_sequence+checkpointing
+part 45 steps_old old "$PY" "${steps[@]}" --seq "${seqs[@]}" --out "$OUT/steps_old" \
+    --methods checkpointing mini_sequence+checkpointing
+part 50 anchors_new new "$PY" "${anchors[@]}" --json "$OUT/anchors_new.json"
+part 50 anchors_old old "$PY" "${anchors[@]}" --json "$OUT/anchors_old.json"
+part 35 steps_new_accumulating new "$PY" "${steps[@]}" --seq "${seqs[@]}" --out "$OUT/steps_new_accumulating" \
+    --methods mini_sequence+checkpointing --head accumulating
+part 35 profile_new new "$PY" scripts/cuda_check.py --model "$MODEL" --profile --seq 16384 \
+    --methods mini_sequence+checkpointing
+echo "total $(( $(date +%s) - start )) s"
