@@ -22,8 +22,8 @@ for side in old new; do
     wheel=$OLD
     [ "$side" = new ] && wheel=$NEW
     # shellcheck disable=SC2086 # WHEELS is a list of globs
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "${SITE_DIR:-/tmp}/mst_ab_$side" \
-        "$wheel" ${WHEELS:-} || exit 1
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "${SITE_DIR:-/tmp}/mst_ab_$side" "$wheel" ${WHEELS:-} || exit 1
 done
 merge=()
 [ -f "$PLAN" ] && merge=(--no-planner --merge-planner "$PLAN")

@@ -53,7 +53,8 @@ def test_cuda_ab_imports_the_build_it_names(tmp_path):
     built stands for both sides here; on a GPU they are two commits' wheels)."""
     wheels = sorted((REPO / "dist").glob("transformers-*.whl"))
     assert len(wheels) == 1, f"expected the one wheel `make wheel` builds in dist/, found {wheels}"
-    env = dict(os.environ, OUT=str(tmp_path / "out"), SITE_DIR=str(tmp_path), MODEL="tiny", PARTS="steps_old", SEQS="128",
+    env = dict(os.environ, OUT=str(tmp_path / "out"), SITE_DIR=str(tmp_path), MODEL="tiny", PARTS="steps_old",
+               SEQS="128",
                OLD=str(wheels[0]), NEW=str(wheels[0]), PYTHON=sys.executable, PLAN=str(tmp_path / "no_plan.json"))
     result = subprocess.run(["bash", str(REPO / "scripts" / "cuda_ab.sh")], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
