@@ -307,7 +307,7 @@ def test_gemma3_conditional_generation_streams_images(chunk, monkeypatch):
 # upstream error can be far below its usual level, and CPUs differ in it (their fp32 GEMMs sum in other orders). On an
 # AVX-512 machine (2026-11-28), over 20 seeds ours came out at up to 3.2x upstream's error with upstream at 5.6e-6 (the
 # Qwen3-Next decay gradients), and at up to 1.6e-5 from fp64 with upstream at 1.9e-6 (Gemma-4, every gradient, 7
-# seeds); on the AVX2 machines before, within 1.35x. 3e-5 is still far below what the checks are for: a gradient
+# seeds); where these checks were written, within 1.35x (8 seeds). 3e-5 is still far below what they are for: a gradient
 # rounded through bf16 is ~4e-3 off, through fp16 ~5e-4, and a lost term is off by its own size.
 FP32_NOISE = 3e-5
 
@@ -325,9 +325,9 @@ def assert_as_accurate_as_upstream(ours, upstream, fp64, names, where=""):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_linear_attention_moe_decay_gradients_as_accurate_as_upstream(family, checkpointing):
     """With the router's aux loss, the linear-attention decay parameters' gradients (`FP64_CHECKED`) are as close to
-    fp64 as upstream's fp32 ones (within twice their error plus `FP32_NOISE`; measured ratios 0.5-1.35 over 8 seeds on
-    an AVX2 machine, 0.5-3.2 over 20 on an AVX-512 one, errors 5e-6 to 1.5e-4): a lost or half-precision term would be
-    10x-1000x off. Experts on the eager path, which runs fp64 (grouped_mm does not)."""
+    fp64 as upstream's fp32 ones (within twice their error plus `FP32_NOISE`; measured ratios 0.5-1.35 over 8 seeds
+    where this was written, 0.5-3.2 over 20 on an AVX-512 machine, errors 5e-6 to 1.5e-4): a lost or half-precision
+    term would be 10x-1000x off. Experts on the eager path, which runs fp64 (grouped_mm does not)."""
     for seed in (907, 21, 3):
         inputs = batch(seed)
 
