@@ -18,37 +18,33 @@ read -r -a seqs <<< "${SEQS:-16384 32768}"  # the lengths both builds are timed 
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
+# shellcheck source=scripts/cuda_parts.sh
+. "$(dirname "$0")/cuda_parts.sh"
 for side in old new; do
     wheel=$OLD
     [ "$side" = new ] && wheel=$NEW
     # shellcheck disable=SC2086 # WHEELS is a list of globs
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "${SITE_DIR:-/tmp}/mst_ab_$side" "$wheel" ${WHEELS:-} || exit 1
+    install_wheels "${SITE_DIR:-/tmp}/mst_ab_$side" "$wheel" ${WHEELS:-} || exit 1
 done
 merge=()
 [ -f "$PLAN" ] && merge=(--no-planner --merge-planner "$PLAN")
 
-part() {  # part SECONDS NAME old|new COMMAND...: the command's output to $OUT/NAME.txt with that build imported
+side_part() {  # side_part SECONDS NAME old|new COMMAND...: `part` with that build imported
     local limit=$1 name=$2 side=$3
     shift 3
-    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then
-        return
-    fi
-    echo "=== [$(( $(date +%s) - start )) s] $name: $*"
-    PYTHONPATH=${SITE_DIR:-/tmp}/mst_ab_$side${PYTHONPATH:+:$PYTHONPATH} timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-    echo "=== $name: exit $? after $(( $(date +%s) - start )) s"
+    PYTHONPATH=${SITE_DIR:-/tmp}/mst_ab_$side${PYTHONPATH:+:$PYTHONPATH} part "$limit" "$name" "$@"
 }
 
 steps=(scripts/cuda_check.py --model "$MODEL" "${merge[@]}" --no-exactness --no-streaming)
 anchors=(scripts/lm_head_anchors.py --device cuda --hidden 4096 --dtypes bf16 --tokens 8192 32768)
-part 60 steps_new new "$PY" "${steps[@]}" --seq 4096 "${seqs[@]}" --out "$OUT/steps_new" \
+side_part 60 steps_new new "$PY" "${steps[@]}" --seq 4096 "${seqs[@]}" --out "$OUT/steps_new" \
     --methods checkpointing mini_sequence+checkpointing
-part 45 steps_old old "$PY" "${steps[@]}" --seq "${seqs[@]}" --out "$OUT/steps_old" \
+side_part 45 steps_old old "$PY" "${steps[@]}" --seq "${seqs[@]}" --out "$OUT/steps_old" \
     --methods checkpointing mini_sequence+checkpointing
-part 50 anchors_new new "$PY" "${anchors[@]}" --json "$OUT/anchors_new.json"
-part 50 anchors_old old "$PY" "${anchors[@]}" --json "$OUT/anchors_old.json"
-part 35 steps_new_accumulating new "$PY" "${steps[@]}" --seq "${seqs[@]}" --out "$OUT/steps_new_accumulating" \
+side_part 50 anchors_new new "$PY" "${anchors[@]}" --json "$OUT/anchors_new.json"
+side_part 50 anchors_old old "$PY" "${anchors[@]}" --json "$OUT/anchors_old.json"
+side_part 35 steps_new_accumulating new "$PY" "${steps[@]}" --seq "${seqs[@]}" --out "$OUT/steps_new_accumulating" \
     --methods mini_sequence+checkpointing --head accumulating
-part 35 profile_new new "$PY" scripts/cuda_check.py --model "$MODEL" --profile --seq 16384 \
+side_part 35 profile_new new "$PY" scripts/cuda_check.py --model "$MODEL" --profile --seq 16384 \
     --methods mini_sequence+checkpointing
 echo "total $(( $(date +%s) - start )) s"

@@ -20,9 +20,11 @@ PLAN=${PLAN:-out/planner/planner_4096_16384_32768.json}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
+# shellcheck source=scripts/cuda_parts.sh
+. "$(dirname "$0")/cuda_parts.sh"
 if [ -n "${WHEELS:-}" ]; then
     # shellcheck disable=SC2086 # WHEELS is a list of globs
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mst_site $WHEELS || exit 1
+    install_wheels /tmp/mst_site $WHEELS || exit 1
     export PYTHONPATH=/tmp/mst_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 "$PY" -c "import torch, transformers; print('transformers', transformers.__version__, 'torch', torch.__version__,
@@ -30,17 +32,6 @@ fi
 model=(--model "${MODEL:-llama-1b}")  # MODEL=tiny: a CPU smoke run of this script (the GPU-only parts fail fast)
 merge=()
 [ -f "$PLAN" ] && merge=(--no-planner --merge-planner "$PLAN")
-
-part() {  # part SECONDS NAME COMMAND...: the command's output to $OUT/NAME.txt, its time and exit status printed
-    local limit=$1 name=$2
-    shift 2
-    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then
-        return
-    fi
-    echo "=== [$(( $(date +%s) - start )) s] $name: $*"
-    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-    echo "=== $name: exit $? after $(( $(date +%s) - start )) s"
-}
 
 part 160 steps_4096_16384_32768 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 16384 32768 "${merge[@]}" --no-exactness \
     --no-streaming --out "$OUT/steps" --methods vanilla checkpointing mini_sequence mini_sequence+checkpointing

@@ -49,8 +49,9 @@ def test_cuda_session_runs_only_the_parts_asked_for(tmp_path):
 
 
 def test_cuda_ab_imports_the_build_it_names(tmp_path):
-    """scripts/cuda_ab.sh installs each wheel apart and runs a part with that build imported (the wheel `make test`
-    built stands for both sides here; on a GPU they are two commits' wheels)."""
+    """scripts/cuda_ab.sh installs each wheel apart and runs a part with that build on its path (the wheel `make test`
+    built stands for both sides here, so the version alone cannot tell them apart; on a GPU they are two commits'
+    wheels)."""
     wheels = sorted((REPO / "dist").glob("transformers-*.whl"))
     assert len(wheels) == 1, f"expected the one wheel `make wheel` builds in dist/, found {wheels}"
     env = dict(os.environ, OUT=str(tmp_path / "out"), SITE_DIR=str(tmp_path), MODEL="tiny", PARTS="steps_old",
@@ -59,6 +60,7 @@ def test_cuda_ab_imports_the_build_it_names(tmp_path):
     result = subprocess.run(["bash", str(REPO / "scripts" / "cuda_ab.sh")], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert all((tmp_path / f"mst_ab_{side}" / "transformers" / "__init__.py").is_file() for side in ("old", "new"))
     assert "=== steps_old: exit 0" in result.stdout, result.stdout + (tmp_path / "out" / "steps_old.txt").read_text()
     report = json.loads((tmp_path / "out" / "steps_old" / "cuda_check_128.json").read_text())
     assert report["transformers"] == wheels[0].name.split("-")[1]
