@@ -7,7 +7,12 @@
 # planner's file (see scripts/cuda_session.sh). Then on the GPU machine, from the repository root:
 #   OLD=a.whl NEW=b.whl WHEELS=".whl/*.whl" OUT=<folder> bash scripts/cuda_ab.sh
 # PARTS="name ..." runs only the named parts (steps_new steps_old anchors_new anchors_old steps_new_accumulating
-# profile_new), in that order. docs/cuda/README.md records such runs.
+# profile_new, then the policy_* parts), in that order. The policy_* parts time the new build under other chunk
+# policies (scripts/policy_overrides.py; OLD may then be the same wheel as NEW): MLP mini-sequences of 4096 and 8192
+# tokens instead of "auto"'s hidden_size (fewer chunks, less host work per step), LM-head row blocks 4 and 2 per chunk
+# instead of 8 (taller fp32 blocks for torch's one-thread-block-per-row softmax), LM-head chunks of at least 4096
+# tokens. Their planner estimates: cuda_check.py --planner-only with the same overrides, on a CPU.
+# docs/cuda/README.md records such runs.
 set -u
 PY=${PYTHON:-python3}
 OUT=${OUT:-out/cuda_ab}
@@ -47,4 +52,15 @@ side_part 35 steps_new_accumulating new "$PY" "${steps[@]}" --seq "${seqs[@]}" -
     --methods mini_sequence+checkpointing --head accumulating
 side_part 35 profile_new new "$PY" scripts/cuda_check.py --model "$MODEL" --profile --seq 16384 \
     --methods mini_sequence+checkpointing
+for chunk in 4096 8192; do
+    side_part 45 "policy_mlp_chunk_$chunk" new "$PY" scripts/cuda_check.py --model "$MODEL" --no-planner --no-exactness \
+        --no-streaming --seq "${seqs[@]}" --out "$OUT/policy_mlp_chunk_$chunk" --methods mini_sequence+checkpointing \
+        --mlp-chunk "$chunk"
+done
+for blocks in 4 2; do
+    side_part 50 "policy_row_blocks_$blocks" new "$PY" "${anchors[@]}" --row-blocks "$blocks" \
+        --json "$OUT/policy_row_blocks_$blocks.json"
+done
+side_part 50 policy_lm_head_min_tokens_4096 new "$PY" "${anchors[@]}" --lm-head-min-tokens 4096 \
+    --json "$OUT/policy_lm_head_min_tokens_4096.json"
 echo "total $(( $(date +%s) - start )) s"

@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import policy_overrides
 import torch
 import transformers
 
@@ -347,7 +348,9 @@ def main(argv=None):
                         help='streaming_backward_chunk of the streamed methods: "auto" (default) or query tokens per '
                              "chunk (fewer, larger chunks: less host work per step for more memory)")
     parser.add_argument("--out", type=Path, default=Path("out/cuda_check"))
+    policy_overrides.add_arguments(parser)
     args = parser.parse_args(argv)
+    overrides = policy_overrides.apply(args)
     if args.head == "accumulating":
         from transformers.mini_sequence import loss as mini_sequence_loss
 
@@ -360,7 +363,8 @@ def main(argv=None):
         for row in rows:
             print(f"S={row['seq']:6d} {row['method']:36s} planner {row['planner_peak_bytes'] / 2**30:7.2f} GiB", flush=True)
         (args.out / f"planner_{seqs}.json").write_text(json.dumps({"model": args.model, "transformers":
-                                                                   transformers.__version__, "rows": rows}, indent=1))
+                                                                   transformers.__version__, "overrides": overrides,
+                                                                   "rows": rows}, indent=1))
         return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -373,7 +377,7 @@ def main(argv=None):
 
     report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
               "model": args.model, "model_config": MODELS[args.model], "head": args.head,
-              "streaming_chunk": args.streaming_chunk}
+              "streaming_chunk": args.streaming_chunk, "overrides": overrides}
     report["exactness"] = {} if args.no_exactness else exactness(device)
     report["mlp_bf16"] = {} if args.no_exactness else mlp_bf16_accuracy(device, args.model)
     report["streaming"] = {} if args.no_streaming else streaming_exactness(device)

@@ -79,6 +79,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lm_head_memory import MIB, fake_parameters, make_inputs  # noqa: E402
+import policy_overrides  # noqa: E402
 
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 from transformers.mini_sequence import config, loss  # noqa: E402
@@ -317,7 +318,8 @@ def cuda_main(args):
     if not hasattr(F, "linear_cross_entropy"):
         print(f"torch-lce not measured: torch {torch.__version__} has no F.linear_cross_entropy", flush=True)
     methods = [m for m in METHODS if (m != "ALST" or have_alst) and (m != "torch-lce" or hasattr(F, "linear_cross_entropy"))]
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": args.hidden, "rows": []}
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": args.hidden,
+              "overrides": args.overrides, "rows": []}
     for dname in args.dtypes:
         dtype = DTYPES[dname]
         for tokens in args.tokens:
@@ -366,7 +368,9 @@ def main(argv=None):
     parser.add_argument("--reference-tokens", type=int, default=8192,
                         help="cuda: errors against fp64 only up to this many tokens (the reference is slow)")
     parser.add_argument("--json", help="cuda: write the rows to this file as they come")
+    policy_overrides.add_arguments(parser)
     args = parser.parse_args(argv)
+    args.overrides = policy_overrides.apply(args)
     if args.device == "cuda":
         warnings.filterwarnings("ignore", message=".*allow_retain_graph.*")
         return cuda_main(args)

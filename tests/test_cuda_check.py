@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import torch
+import transformers
 from conftest import REPO, run_py
 
 CUDA_CHECK = str(REPO / "scripts" / "cuda_check.py")
@@ -16,7 +18,7 @@ def test_cuda_check_runs_on_cpu(tmp_path):
                      "mini_sequence+checkpointing", "streaming", "--streaming-chunk", "64", "--out", str(tmp_path)])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "cuda_check_256.json").read_text())
-    assert report["streaming_chunk"] == 64 and report["head"] == "auto"
+    assert report["streaming_chunk"] == 64 and report["head"] == "auto" and report["overrides"] == {}
     assert report["exactness"] and all(
         row["loss_rel_err"] <= 1e-5 and row["max_grad_rel_err"] <= 1e-5 and not row["missing_grads"]
         for row in report["exactness"].values()
@@ -28,6 +30,71 @@ def test_cuda_check_runs_on_cpu(tmp_path):
     assert all(row["planner_peak_bytes"] > 0 and row["step_seconds"] > 0 for row in steps)
     losses = [row["first_loss"] for row in steps]
     assert max(losses) - min(losses) < 1e-4 * losses[0]  # same model and batch, first step before any update
+
+
+def test_policy_overrides_change_what_auto_means(monkeypatch):
+    """scripts/policy_overrides.py (a GPU A/B of chunk policies with one build): each override changes what the
+    model runs, not only a recorded number."""
+    import argparse
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from transformers.mini_sequence import config, integration, lm_head_chunk_size, loss
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import policy_overrides
+
+    for module, name in ((integration, "mlp_chunk_size"), (config, "AUTO_MIN_LM_HEAD_TOKENS"),
+                         (loss, "_ROW_BLOCKS_PER_CHUNK")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, mini_sequence_chunk="auto"))
+    rows_seen = []
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda module, args, out: rows_seen.append(args[0].shape[1]))
+    ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(0))
+
+    def mlp_chunks():
+        rows_seen.clear()
+        with torch.no_grad():
+            model(input_ids=ids)
+        return rows_seen[:]
+
+    class CountLogSoftmax(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountLogSoftmax.calls += func is torch.ops.aten._log_softmax.default
+            return func(*args, **(kwargs or {}))
+
+    def loss_blocks():
+        CountLogSoftmax.calls = 0
+        with CountLogSoftmax():
+            loss._CrossEntropySum.apply(torch.randn(48, 10), torch.randint(0, 10, (48,)), -100)
+        return CountLogSoftmax.calls
+
+    assert mlp_chunks() == [64, 64, 64, 8] and lm_head_chunk_size("auto", 64, 1000, 200) == 1024
+    assert loss_blocks() == 8
+    parser = argparse.ArgumentParser()
+    policy_overrides.add_arguments(parser)
+    args = parser.parse_args(["--mlp-chunk", "90", "--lm-head-min-tokens", "64", "--row-blocks", "3"])
+    assert policy_overrides.apply(args) == {"mlp_chunk": 90, "lm_head_min_tokens": 64, "row_blocks": 3}
+    assert mlp_chunks() == [90, 90, 20] and lm_head_chunk_size("auto", 64, 1000, 200) == 64
+    assert loss_blocks() == 3
+    # an int field is the user's choice: not overridden
+    model.config.mini_sequence_chunk = 50
+    assert mlp_chunks() == [50, 50, 50, 50]
+
+
+def test_mlp_host_cost_runs():
+    result = run_py([str(REPO / "scripts" / "mlp_host_cost.py"), "--tokens", "64", "--chunks", "2", "4",
+                     "--repeats", "4"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    names = [line[:36].strip() for line in result.stdout.splitlines()[1:]]
+    assert names == ["mini-sequence Function, 2 chunks", "mini-sequence Function, 4 chunks", "checkpointed, unsplit",
+                     "plain, unsplit"], result.stdout
+    assert all(float(line.split()[-2]) > 0 for line in result.stdout.splitlines()[1:])
 
 
 def test_cuda_check_refuses_a_bad_streaming_chunk(tmp_path):
@@ -54,7 +121,8 @@ def test_cuda_ab_imports_the_build_it_names(tmp_path):
     wheels)."""
     wheels = sorted((REPO / "dist").glob("transformers-*.whl"))
     assert len(wheels) == 1, f"expected the one wheel `make wheel` builds in dist/, found {wheels}"
-    env = dict(os.environ, OUT=str(tmp_path / "out"), SITE_DIR=str(tmp_path), MODEL="tiny", PARTS="steps_old",
+    env = dict(os.environ, OUT=str(tmp_path / "out"), SITE_DIR=str(tmp_path), MODEL="tiny",
+               PARTS="steps_old policy_mlp_chunk_4096",
                SEQS="128",
                OLD=str(wheels[0]), NEW=str(wheels[0]), PYTHON=sys.executable, PLAN=str(tmp_path / "no_plan.json"))
     result = subprocess.run(["bash", str(REPO / "scripts" / "cuda_ab.sh")], cwd=REPO, env=env,
@@ -65,3 +133,8 @@ def test_cuda_ab_imports_the_build_it_names(tmp_path):
     report = json.loads((tmp_path / "out" / "steps_old" / "cuda_check_128.json").read_text())
     assert report["transformers"] == wheels[0].name.split("-")[1]
     assert [row["method"] for row in report["steps"]] == ["checkpointing", "mini_sequence+checkpointing"]
+    # a policy part: the new build under an override, recorded in its report
+    assert "=== policy_mlp_chunk_4096: exit 0" in result.stdout, result.stdout
+    report = json.loads((tmp_path / "out" / "policy_mlp_chunk_4096" / "cuda_check_128.json").read_text())
+    assert report["overrides"] == {"mlp_chunk": 4096}
+    assert [row["method"] for row in report["steps"]] == ["mini_sequence+checkpointing"]
