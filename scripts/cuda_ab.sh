@@ -7,7 +7,7 @@
 # planner's file (see scripts/cuda_session.sh). Then on the GPU machine, from the repository root:
 #   OLD=a.whl NEW=b.whl WHEELS=".whl/*.whl" OUT=<folder> bash scripts/cuda_ab.sh
 # PARTS="name ..." runs only the named parts (steps_new steps_old anchors_new anchors_old steps_new_accumulating
-# profile_new, then the policy_* parts), in that order. The policy_* parts time the new build under other chunk
+# profile_new profile_4096_new, then the policy_* parts), in that order. The policy_* parts time the new build under other chunk
 # policies (scripts/policy_overrides.py; OLD may then be the same wheel as NEW): MLP mini-sequences of 4096 and 8192
 # tokens instead of "auto"'s hidden_size (fewer chunks, less host work per step), LM-head row blocks 4 and 2 per chunk
 # instead of 8 (taller fp32 blocks for torch's one-thread-block-per-row softmax), LM-head chunks of at least 4096
@@ -52,6 +52,9 @@ side_part 35 steps_new_accumulating new "$PY" "${steps[@]}" --seq "${seqs[@]}" -
     --methods mini_sequence+checkpointing --head accumulating
 side_part 35 profile_new new "$PY" scripts/cuda_check.py --model "$MODEL" --profile --seq 16384 \
     --methods mini_sequence+checkpointing
+# the 4K gap (0.64x-0.72x of checkpointing's speed on an H200; last profiled at mst.13, H100): both methods, one machine
+side_part 35 profile_4096_new new "$PY" scripts/cuda_check.py --model "$MODEL" --profile --seq 4096 \
+    --methods checkpointing mini_sequence+checkpointing
 for chunk in 4096 8192; do
     side_part 45 "policy_mlp_chunk_$chunk" new "$PY" scripts/cuda_check.py --model "$MODEL" --no-planner --no-exactness \
         --no-streaming --seq "${seqs[@]}" --out "$OUT/policy_mlp_chunk_$chunk" --methods mini_sequence+checkpointing \
