@@ -34,7 +34,7 @@ CHUNKS = ["auto", 1, 2, 3, 5, 7, 16, 31, 64, 200]
 
 
 def draw(trial):
-    """(description, family, fields, checkpointing, model kwargs, micro-batches) of trial `trial`."""
+    """(description, family, fields, checkpointing, model kwargs, step kwargs, micro-batches) of trial `trial`."""
     rng = random.Random(SEED * 100_003 + trial)
     family = rng.choice(TEXT + sorted(SSM_FAMILIES))
     if family in SSM_FAMILIES:
@@ -105,7 +105,8 @@ def test_random_setup_exact(trial):
     setup = (family, fields, checkpointing, kwargs, step_kwargs, batches)
     upstream_loss, upstream = train(family, {}, checkpointing, kwargs, step_kwargs, batches)
     loss, ours = train(*setup)
-    assert abs(loss - upstream_loss) <= RTOL * max(abs(upstream_loss), 1e-12), f"{description}: loss {loss} vs {upstream_loss}"
+    assert abs(loss - upstream_loss) <= RTOL * max(abs(upstream_loss), 1e-12), (
+        f"{description}: loss {loss} vs {upstream_loss}")
     assert ours.keys() == upstream.keys(), f"{description}: gradients of {sorted(ours.keys() ^ upstream.keys())}"
     # With the router's aux loss, Qwen3-Next's and Qwen3.5-MoE's linear-attention decay gradients are as far from fp64
     # in upstream's own fp32 step as bf16 rounding is (tests/test_new_families.py, FP64_CHECKED): nothing per trial
