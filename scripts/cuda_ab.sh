@@ -7,11 +7,11 @@
 # planner's file (see scripts/cuda_session.sh). Then on the GPU machine, from the repository root:
 #   OLD=a.whl NEW=b.whl WHEELS=".whl/*.whl" OUT=<folder> bash scripts/cuda_ab.sh
 # PARTS="name ..." runs only the named parts (steps_new steps_old anchors_new anchors_old steps_new_accumulating
-# profile_new profile_4096_new, then the policy_* parts), in that order. The policy_* parts time the new build under other chunk
-# policies (scripts/policy_overrides.py; OLD may then be the same wheel as NEW): MLP mini-sequences of 4096 and 8192
-# tokens instead of "auto"'s hidden_size (fewer chunks, less host work per step), LM-head row blocks 4 and 2 per chunk
-# instead of 8 (taller fp32 blocks for torch's one-thread-block-per-row softmax), LM-head chunks of at least 4096
-# tokens. Their planner estimates: cuda_check.py --planner-only with the same overrides, on a CPU.
+# profile_new profile_4096_new, then the policy_* parts), in that order. The policy_* parts time the new build
+# under other chunk policies (scripts/policy_overrides.py; OLD may then be the same wheel as NEW): MLP mini-sequences
+# of 4096 and 8192 tokens instead of "auto"'s hidden_size (fewer chunks, less host work per step), LM-head row blocks
+# 4 and 2 per chunk instead of 8 (taller fp32 blocks for torch's one-thread-block-per-row softmax), LM-head chunks of
+# at least 4096 tokens. Their planner estimates: cuda_check.py --planner-only with the same overrides, on a CPU.
 # docs/cuda/README.md records such runs.
 set -u
 PY=${PYTHON:-python3}

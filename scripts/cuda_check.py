@@ -341,9 +341,6 @@ def main(argv=None):
                         "--methods at each --seq (torch.profiler's table of the ops taking the most time)")
     parser.add_argument("--no-exactness", action="store_true", help="skip part 1")
     parser.add_argument("--no-streaming", action="store_true", help="skip part 3")
-    parser.add_argument("--head", choices=["auto", "accumulating"], default="auto",
-                        help="accumulating: never the vocabulary-sliced LM head (mini_sequence/loss.py), for a speed "
-                             "comparison where the planner says slicing lowers no peak (docs/cuda/README.md)")
     parser.add_argument("--streaming-chunk", type=streaming_chunk_arg, default="auto",
                         help='streaming_backward_chunk of the streamed methods: "auto" (default) or query tokens per '
                              "chunk (fewer, larger chunks: less host work per step for more memory)")
@@ -351,10 +348,6 @@ def main(argv=None):
     policy_overrides.add_arguments(parser)
     args = parser.parse_args(argv)
     overrides = policy_overrides.apply(args)
-    if args.head == "accumulating":
-        from transformers.mini_sequence import loss as mini_sequence_loss
-
-        mini_sequence_loss._vocab_sliced_backward_pays = lambda *args: False  # the rule's private switch, here only
     seqs = "_".join(map(str, args.seq))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.planner_only:

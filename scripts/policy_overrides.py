@@ -10,6 +10,9 @@ record them in their reports. None is set unless asked for.
   --lm-head-min-tokens N  mini_sequence/config.py's AUTO_MIN_LM_HEAD_TOKENS (the distribution: 1024).
   --row-blocks N          mini_sequence/loss.py's _ROW_BLOCKS_PER_CHUNK (the distribution: 8): fewer, taller fp32
                           row blocks in the LM-head loss, for more memory.
+  --head accumulating     never the vocabulary-sliced LM head (mini_sequence/loss.py), for a speed comparison where
+                          the planner says slicing lowers no peak (docs/cuda/README.md); "auto" (default): the
+                          distribution's rule.
 
 The planner runs the same code (fake tensors), so `cuda_check.py --planner-only` with the same overrides gives the
 matching estimates for `--merge-planner`."""
@@ -28,6 +31,8 @@ def add_arguments(parser):
     group.add_argument("--mlp-chunk", type=positive_int, help='tokens per MLP mini-sequence where the field is "auto"')
     group.add_argument("--lm-head-min-tokens", type=positive_int, help="AUTO_MIN_LM_HEAD_TOKENS for this run")
     group.add_argument("--row-blocks", type=positive_int, help="fp32 row blocks per LM-head chunk for this run")
+    group.add_argument("--head", choices=["auto", "accumulating"], default="auto",
+                       help="accumulating: never the vocabulary-sliced LM head")
 
 
 def apply(args) -> dict:
@@ -49,6 +54,9 @@ def apply(args) -> dict:
     if args.row_blocks is not None:
         loss._ROW_BLOCKS_PER_CHUNK = args.row_blocks  # read at each call of the loss
         applied["row_blocks"] = args.row_blocks
+    if args.head == "accumulating":
+        loss._vocab_sliced_backward_pays = lambda *args: False  # the rule's one caller reads it at each call
+        applied["head"] = args.head
     if applied:
         print(f"chunk-policy overrides for this run: {applied}", flush=True)
     return applied

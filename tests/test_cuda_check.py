@@ -45,7 +45,7 @@ def test_policy_overrides_change_what_auto_means(monkeypatch):
     import policy_overrides
 
     for module, name in ((integration, "mlp_chunk_size"), (config, "AUTO_MIN_LM_HEAD_TOKENS"),
-                         (loss, "_ROW_BLOCKS_PER_CHUNK")):
+                         (loss, "_ROW_BLOCKS_PER_CHUNK"), (loss, "_vocab_sliced_backward_pays")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
 
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -74,14 +74,22 @@ def test_policy_overrides_change_what_auto_means(monkeypatch):
             loss._CrossEntropySum.apply(torch.randn(48, 10), torch.randint(0, 10, (48,)), -100)
         return CountLogSoftmax.calls
 
+    head = torch.nn.Linear(8, 100, bias=False).bfloat16()
+
+    def sliced_head():  # the rule mini_sequence_causal_lm_loss asks (10 tokens, 100 vocabulary rows, bf16)
+        return loss._vocab_sliced_backward_pays(head, torch.randn(10, 8).bfloat16(), [head.weight], 100)
+
     assert mlp_chunks() == [64, 64, 64, 8] and lm_head_chunk_size("auto", 64, 1000, 200) == 1024
-    assert loss_blocks() == 8
+    assert loss_blocks() == 8 and sliced_head()
     parser = argparse.ArgumentParser()
     policy_overrides.add_arguments(parser)
-    args = parser.parse_args(["--mlp-chunk", "90", "--lm-head-min-tokens", "64", "--row-blocks", "3"])
-    assert policy_overrides.apply(args) == {"mlp_chunk": 90, "lm_head_min_tokens": 64, "row_blocks": 3}
+    assert policy_overrides.apply(parser.parse_args([])) == {}
+    args = parser.parse_args(["--mlp-chunk", "90", "--lm-head-min-tokens", "64", "--row-blocks", "3", "--head",
+                              "accumulating"])
+    assert policy_overrides.apply(args) == {"mlp_chunk": 90, "lm_head_min_tokens": 64, "row_blocks": 3,
+                                            "head": "accumulating"}
     assert mlp_chunks() == [90, 90, 20] and lm_head_chunk_size("auto", 64, 1000, 200) == 64
-    assert loss_blocks() == 3
+    assert loss_blocks() == 3 and not sliced_head()
     # an int field is the user's choice: not overridden
     model.config.mini_sequence_chunk = 50
     assert mlp_chunks() == [50, 50, 50, 50]

@@ -22,6 +22,7 @@ import random
 import pytest
 import torch
 from test_new_families import FP32_NOISE, FP64_CHECKED, ILL_CONDITIONED_RTOL, RTOL
+from test_streaming_families import EAGER_ONLY
 from tiny_models import FAMILIES, NEW_FAMILIES, REGISTRY, SSM_FAMILIES, make_config, make_model
 from transformers.mst_core.families import streaming_model_types
 
@@ -29,7 +30,6 @@ TRIALS = int(os.environ.get("MST_RANDOM_TRIALS", "100"))
 SEED = int(os.environ.get("MST_RANDOM_SEED", "20261128"))
 TEXT = sorted(FAMILIES) + sorted(NEW_FAMILIES)
 STREAMED = set(streaming_model_types())
-EAGER_ONLY = {"gemma2", "gpt_oss"}  # no sdpa path upstream (soft-capped attention; sinks)
 CHUNKS = ["auto", 1, 2, 3, 5, 7, 16, 31, 64, 200]
 
 
