@@ -14,7 +14,7 @@ OUT ?= out
 help:
 	@echo "make test        bootstrap .venv, build + install the distribution, run the test suite"
 	@echo "make demo        bootstrap, build + install, run the demo (a short training run); plot in out/demo.png"
-	@echo "make bench       bootstrap, build + install, run the benchmarks (SWEEPS=\"methods blocks families\"); results in out/bench/"
+	@echo "make bench       bootstrap, build + install, run the benchmarks (SWEEPS=\"methods blocks families host\"); results in out/bench/"
 	@echo "                 OUT=docs: write into the committed docs/demo.png, docs/bench/ instead (on purpose)"
 	@echo "make wheel       build dist/transformers-<version>+mst.N-py3-none-any.whl"
 	@echo "make workspace   work/pristine (upstream) + work/patched (git stack of our patches); FORCE=1 discards work/"
@@ -47,9 +47,9 @@ test: install
 demo: install
 	$(PY) scripts/demo.py --plot $(OUT)/demo.png $(ARGS)
 
-# SWEEPS: any of methods blocks families streaming mamba (scripts/bench.py --help); results go to $(OUT)/bench/.
+# SWEEPS: any of methods blocks families host streaming mamba (scripts/bench.py --help); results go to $(OUT)/bench/.
 bench: install
-	for sweep in $(or $(SWEEPS),methods blocks families); do $(PY) scripts/bench.py $$sweep --out $(OUT)/bench $(ARGS) || exit 1; done
+	for sweep in $(or $(SWEEPS),methods blocks families host); do $(PY) scripts/bench.py $$sweep --out $(OUT)/bench $(ARGS) || exit 1; done
 
 workspace: venv
 	$(MST) workspace $(if $(FORCE),--force)

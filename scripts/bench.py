@@ -10,6 +10,9 @@
   streaming StreamBP's CPU targets: Gemma-2 peak vs flag off, activation memory
             vs mini_sequence+checkpointing at 32K (fp32, bf16), and a sweep of
             streaming_backward_chunk values (time and peak) at 8K/16K.
+  host      host work per step (scripts/host_cost.py): aten operators dispatched, tokens through q_proj and
+            gate_proj, and the host-bound step time of a narrow 16-layer Llama (d=32, 512 tokens, 8 chunks), per
+            method relative to checkpointing, without and with a forward pre-hook on every module (as ZeRO-3).
   compile   torch.compile: per method, the graph breaks of a compiled training step (dynamo's
             counters) and the compiled step time against the compiled flags-unset step (time
             only: inductor's kernels allocate outside the tensor tracker, so no CPU peak).
@@ -47,6 +50,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm import tqdm
 
+import host_cost
 import transformers
 from transformers.adjoint_sharding import shard_tokens
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -654,7 +658,7 @@ def write(rows, out, name, header):
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming", "mamba", "compile"])
+    parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming", "mamba", "compile", "host"])
     parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="for `methods` and `compile`")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="for `methods` and `compile`")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), help="for `families`")
@@ -706,7 +710,8 @@ def main(argv=None):
         args.chunk = int(args.chunk)
     args.dtype = getattr(torch, args.dtype)
     args.seq = args.seq or {"methods": [1024, 2048, 4096, 8192], "blocks": [2048, 8192], "families": [4096],
-                           "streaming": [4096], "mamba": [512, 1024, 2048, 4096, 8192], "compile": [4096]}[args.sweep]  # (streaming has its own --*-seq options)
+                           "streaming": [4096], "mamba": [512, 1024, 2048, 4096, 8192], "compile": [4096],
+                           "host": [host_cost.SEQ_LEN]}[args.sweep]  # (streaming has its own --*-seq options)
     if any(s < 2 for s in args.seq) or args.repeats < 1:
         parser.error("--seq values must be >= 2 and --repeats >= 1")
     if min(args.truncation, args.upstream_repeats, args.shard_seq, args.fake_check_seq, *args.shards, *args.fake_seq) < 1:
@@ -773,6 +778,11 @@ def main(argv=None):
                  args.out / f"{args.name}_shards_time.png", "step time (s)", logx=True)
             plot(part, "shard_tokens", "peak_MiB", "S", f"adjoint: peak vs adjoint_sharding_chunk\n{where}",
                  args.out / f"{args.name}_shards_memory.png", "peak (MiB)", logx=True)
+    elif args.sweep == "host":
+        if device.type != "cpu" or args.seq != [host_cost.SEQ_LEN]:
+            parser.error(f"the host sweep counts a fixed CPU setup (--device cpu, {host_cost.SEQ_LEN} tokens)")
+        rows = host_cost.sweep_host(repeats=args.repeats)
+        write(rows, args.out, "host", host_cost.header())
     elif args.sweep == "compile":
         rows = sweep_compile(args, device)
         header = header.replace("time = median", "model.compile(); graph_breaks: dynamo's count at the compiling step; "

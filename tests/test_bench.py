@@ -105,3 +105,20 @@ def test_mamba_bad_arguments_exit_2(tmp_path):
     assert result.returncode == 2 and "--truncation" in result.stderr
     result = run_py([str(REPO / "scripts" / "bench.py"), "mamba", "--shards", "0", "--out", str(tmp_path)])
     assert result.returncode == 2 and "--shards" in result.stderr
+
+
+def test_host_sweep(tmp_path):
+    """`bench.py host`: every method without and with hooks, counts and ratios to checkpointing in the same run."""
+    bench = str(REPO / "scripts" / "bench.py")
+    result = run_py([bench, "host", "--repeats", "1", "--out", str(tmp_path), "--device", "cpu"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = read_csv(tmp_path / "host.csv")
+    methods = ["checkpointing", "mini_sequence+checkpointing", "streaming", "mini_sequence+streaming"]
+    assert [(r["hooks"], r["method"]) for r in rows] == [(h, m) for h in ("none", "every module") for m in methods]
+    for r in rows:
+        assert int(r["view_ops"]) < int(r["aten_ops"]) and float(r["step_time_ms"]) > 0
+        assert float(r["q_proj_passes"]) == float(r["gate_proj_passes"]) == 2.0
+        if r["method"] == "checkpointing":
+            assert float(r["ops_vs_checkpointing"]) == float(r["time_vs_checkpointing"]) == 1.0
+        else:
+            assert float(r["ops_vs_checkpointing"]) > 1.0

@@ -55,9 +55,9 @@ RUNS = [("trainer_run.py", w) for w in sorted(trainer_run.WRAPPERS)] + [("fsdp_r
 # them, FSDP1 installs flat-parameter views): the streamed layer runs under nested checkpointing
 # (streaming_backward/layer.py `_forward_with_checkpoints`: the layer, then each chunk). Counted are
 # calls of the layer's forward on one chunk (StreamedCall.call), K/V-only ones (the layer stopped at the
-# cache) included. Nested: the forward's n K/V and n chunk outputs, the layer's recompute (n K/V and n - 1
-# chunks: torch's non-reentrant checkpoint stops it early, before the last chunk's), and each chunk's own
-# recompute: 5n - 1. Elsewhere (DDP, ZeRO-2, and FSDP2, whose unsharded weights are plain parameters during
+# cache) included. Nested: the forward's n K/V and n chunk outputs, the layer's recompute (n K/V: torch's
+# non-reentrant checkpoint stops it early, before the chunks, which read the layer input and the K/V saved once,
+# mst_core/wrappers.py `ChunkSource`), and each chunk's own recompute: 4n. Elsewhere (DDP, ZeRO-2, and FSDP2, whose unsharded weights are plain parameters during
 # the layer's call) the streaming Function: the forward's n chunks, the backward's n K/V and n recomputed
 # chunks: 3n, and 2 more for each chunk holding a query row that sees no key (right padding longer than
 # Mistral's window: that chunk reads every key, layer.py's docstring). Checkpointing on top would add more:
@@ -77,7 +77,7 @@ def assert_streamed_as_expected(wrapper, family, variant, run):
         assert run["layer_calls"] == run["chunk_calls"] == 0, (wrapper, family, variant)
         return
     chunks = -(-SEQ // STREAM)
-    per_layer_call = 5 * chunks - 1 if wrapper in CHECKPOINTED_STREAMING else 3 * chunks
+    per_layer_call = 4 * chunks if wrapper in CHECKPOINTED_STREAMING else 3 * chunks
     assert run["layer_calls"] == MICRO_BATCHES * LAYERS, (wrapper, family, run["layer_calls"])
     blind = 0 if wrapper in CHECKPOINTED_STREAMING else 2 * run["blind_chunks"]
     assert run["chunk_calls"] == MICRO_BATCHES * LAYERS * per_layer_call + blind, (wrapper, family, run["chunk_calls"])

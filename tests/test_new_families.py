@@ -195,7 +195,7 @@ def test_mlp_body_runs_per_mini_sequence(family, monkeypatch):
     assert max(seen) <= chunk and sum(seen) == 2 * SEQ
 
 
-# The layer's recompute stops before the MLP (`_SavedInput`); OLMo-2's and Gemma-3's post-feedforward norm, which
+# The layer's recompute stops before the MLP (`SavedInput`, mst_core/wrappers.py); OLMo-2's and Gemma-3's post-feedforward norm, which
 # would save the MLP's whole output, runs by mini-sequences with the MLP (`mini_sequence_mlp_then_norm`). Gemma-4's
 # layer saves tensors after its MLP (the per-layer-input gate its input; `hidden_states *= self.layer_scalar` the
 # scalar): the recompute has to run the whole layer, the chunked MLP included, before the MLP's backward rebuilds

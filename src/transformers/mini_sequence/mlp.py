@@ -22,6 +22,7 @@ from ..mst_core.wrappers import (
     function_parameters,
     refuse_create_graph,
     require_gradients,
+    SavedInput,
 )
 
 
@@ -75,32 +76,8 @@ def _chunk_grad(grad: torch.Tensor, index: int, batch_shape: torch.Size, start: 
     return part.reshape(-1, *grad.shape[1:])  # [*batch, c, *] -> [batch * c, *], token-major as the chunk's output
 
 
-class _SavedInput(torch.autograd.Function):
-    """Identity that saves its input for `_MiniSequenceMLPFunction`, which reads it from this node
-    (``x.grad_fn.saved_tensors``) instead of saving it itself.
-
-    Why: under non-reentrant activation checkpointing (upstream's `gradient_checkpointing`), the layer's
-    backward recomputes its forward only until every tensor the first forward saved is back, then stops
-    (torch.utils.checkpoint's early stop). A Function's own saved tensors are packed after its forward has
-    run, so the recompute would run the whole chunked MLP forward (whose output nothing needs) before
-    stopping, and the Function's backward then rebuilds every chunk once more: each token through the MLP
-    3 times a step instead of checkpointing's 2. Saved by this node, before the chunked forward, the input
-    is the layer's last saved tensor, and the recompute stops before the MLP (a later op of the layer that
-    saved the MLP's output would need it back: Gemma-2/3's and OLMo-2's post-feedforward norm, which therefore
-    runs inside the chunks, `mini_sequence_mlp_then_norm`)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 class _MiniSequenceMLPFunction(torch.autograd.Function):
-    """Inputs: x [..., S, d] (the output of `_SavedInput`, which holds it for backward, if it requires grad), the chunk
+    """Inputs: x [..., S, d] (the output of `SavedInput`, which holds it for backward, if it requires grad), the chunk
     size, ``forward_fn(mlp, chunk)`` (one tensor, or a tuple: `_forward_chunks`), whether to sum half-precision
     parameter gradients in fp32 (`accumulate_grads`), the MLP's parameters that require grad (as ``*params`` so that autograd routes their gradients through this
     Function: hooks of DDP/FSDP/DeepSpeed then fire once per parameter, and non-leaf parameters work)."""
@@ -108,9 +85,9 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, chunk_size, forward_fn, mlp, fp32_sums, *params):
         ctx.set_materialize_grads(False)  # an output nothing used (GPT-OSS's router scores) gets None, not zeros
-        if isinstance(x.grad_fn, _SavedInput._backward_cls):
-            ctx.input_node = x.grad_fn  # `_SavedInput`'s node: it holds x
-        else:  # a frozen input (only parameters train), or a caller without `_SavedInput`: hold x here
+        if isinstance(x.grad_fn, SavedInput._backward_cls):
+            ctx.input_node = x.grad_fn  # `SavedInput`'s node: it holds x
+        else:  # a frozen input (only parameters train), or a caller without `SavedInput`: hold x here
             ctx.input_node = ctx
             ctx.save_for_backward(x)
         ctx.autocast_state = capture_autocast_state(x.device.type)
@@ -121,7 +98,7 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
         ctx.fp32_sums = fp32_sums
         ctx.forward_fn = forward_fn
         ctx.mlp = mlp
-        # Only x is kept, by `_SavedInput` (through saved-tensor hooks, e.g. activation checkpointing).
+        # Only x is kept, by `SavedInput` (through saved-tensor hooks, e.g. activation checkpointing).
         # The parameters are held by reference: the recomputation calls the submodules, which
         # use these very tensors, and autograd.grad is taken with respect to them.
         ctx.params = params
@@ -216,7 +193,7 @@ def chunked_function(forward_fn, module, hidden_states, chunk_size, params, fp32
     their half-precision gradients over the chunks in fp32 unless `fp32_sums=False` (`accumulate_grads`)."""
     if not (hidden_states.requires_grad or params):
         return _forward_chunks(forward_fn, module, hidden_states, chunk_size)  # frozen: nothing to keep
-    x = _SavedInput.apply(hidden_states) if hidden_states.requires_grad else hidden_states
+    x = SavedInput.apply(hidden_states) if hidden_states.requires_grad else hidden_states
     return _MiniSequenceMLPFunction.apply(x, chunk_size, forward_fn, module, fp32_sums, *params)
 
 
@@ -231,7 +208,7 @@ def mini_sequence_mlp_then_norm(mlp, norm, hidden_states: torch.Tensor, chunk_si
 
     Why together: the norm saves its input, the MLP's whole output. Under activation checkpointing the layer's
     recompute then has to run the chunked MLP forward again to rebuild it, and the Function's backward rebuilds
-    every chunk once more: 3 passes a step instead of checkpointing's 2 (`_SavedInput`). Chunked together only the
+    every chunk once more: 3 passes a step instead of checkpointing's 2 (`SavedInput`). Chunked together only the
     MLP's input is saved, and the norm's fp32 intermediates exist one chunk at a time. Where the Function may not
     take the parameters (a wrapper's or hook's module, torch.compile, a forward that is not transformers'), upstream's
     two calls run, the MLP still by mini-sequences through its own forward."""

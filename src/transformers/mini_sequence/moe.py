@@ -4,7 +4,7 @@ Routing is token-wise (each token's top-k experts and weights depend on that tok
 own upstream `forward` on chunks of the sequence gives the same output and gradients. The chunks run through the
 MLP's Function (mlp.py): only the block's input is kept for backward, and each chunk's routing and expert
 intermediates are rebuilt in backward one chunk at a time. So under activation checkpointing each token goes through
-the experts twice a step, as without the flag (the layer's recompute stops before the block, see `_SavedInput`).
+the experts twice a step, as without the flag (the layer's recompute stops before the block, see `SavedInput` in mst_core/wrappers.py).
 Where a wrapper or hook may swap the weights (mst_core/wrappers.py), each chunk runs under non-reentrant checkpointing instead
 and every gradient flows through ordinary autograd.
 

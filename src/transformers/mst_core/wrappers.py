@@ -174,14 +174,83 @@ def require_gradients(grads, inputs, where: str) -> None:
             )
 
 
+class SavedInput(torch.autograd.Function):
+    """Identity that saves its input, for a chunked computation that reads it from this node
+    (``x.grad_fn.saved_tensors``) instead of saving it itself or handing it to a checkpoint.
+
+    Why: under non-reentrant activation checkpointing (upstream's `gradient_checkpointing`), the layer's
+    backward recomputes its forward only until every tensor the first forward saved is back, then stops
+    (torch.utils.checkpoint's early stop). A Function's own saved tensors are packed after its forward has
+    run, and the inputs of a nested checkpoint count as saved by the layer's (torch/utils/checkpoint.py, "Rule
+    2"): either way the recompute would run the chunked forward (whose output nothing needs) before stopping,
+    and the chunks' backward then rebuilds every chunk once more: each token through the block 3 times a step
+    instead of checkpointing's 2. Saved by this node, before the chunks, the input is the layer's last saved
+    tensor, and the recompute stops before the block (a later op of the layer that saved the block's output
+    would need it back: Gemma-2/3's and OLMo-2's post-feedforward norm, mini_sequence/mlp.py)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ChunkSource:
+    """What the checkpointed chunks of one call read a tensor from, in place of a tensor input (which torch would save
+    to the enclosing checkpoint, see `SavedInput`): in the forward the `SavedInput` output itself; in a chunk's
+    recompute the tensor that node saved, unpacked once (an enclosing checkpoint hands a recomputed tensor out once)
+    and shared by the `reads` recomputes that read it (one per chunk), then let go. For a tensor that requires grad
+    (`saved_once` below); `forward_done()` after the chunks' forward."""
+
+    def __init__(self, saved: torch.Tensor, reads: int):
+        self.forward_input, self.node, self.reads = saved, saved.grad_fn, reads
+        self.recomputed, self.remaining = None, reads
+
+    def tensor(self) -> torch.Tensor:
+        if self.forward_input is not None:
+            return self.forward_input
+        if self.recomputed is None:
+            (x,) = self.node.saved_tensors
+            # As in the forward (the recompute must save what the forward saved: a product saves the weight only
+            # for an input that requires grad); its graph is the forward's, through this node.
+            self.recomputed = x.detach().requires_grad_()
+        x = self.recomputed
+        self.remaining -= 1
+        if self.remaining == 0:  # every chunk recomputed: hold nothing until another backward
+            self.recomputed, self.remaining = None, self.reads
+        return x
+
+    def forward_done(self):
+        self.forward_input = None
+
+
+def saved_once(x: torch.Tensor, reads: int) -> ChunkSource:
+    """A `ChunkSource` of `x` (which requires grad) read by `reads` checkpointed chunks."""
+    return ChunkSource(SavedInput.apply(x), reads)
+
+
 def checkpointed_chunks(fn, x: torch.Tensor, chunk_size: int, dim: int = -2) -> list:
     """`[fn(chunk, start, end) for each chunk of x along dim]`, each call under non-reentrant
     activation checkpointing: only the chunk's input is kept, its intermediates are rebuilt in
     backward one chunk at a time (RNG and autocast state replayed by torch), and parameter
     gradients flow through ordinary autograd: wrapper hooks see them, and the engine sums each
-    parameter's chunk gradients before accumulating it once."""
-    outputs = []
-    for start in range(0, x.shape[dim], chunk_size):
-        end = min(start + chunk_size, x.shape[dim])
-        outputs.append(checkpoint(fn, x.narrow(dim, start, end - start), start, end, use_reentrant=False))
+    parameter's chunk gradients before accumulating it once.
+
+    An input that requires grad is saved once, by `SavedInput`, and the chunks' checkpoints read it from there
+    (`ChunkSource`): under the layer's own checkpoint its recompute then stops before the chunks, and each token
+    goes through `fn` twice a step (the forward, the chunk's recompute), as checkpointing runs the unsplit block."""
+    bounds = [(start, min(start + chunk_size, x.shape[dim])) for start in range(0, x.shape[dim], chunk_size)]
+    if not x.requires_grad or torch.compiler.is_compiling():  # traced: AOTAutograd chooses what to recompute
+        return [checkpoint(fn, x.narrow(dim, start, end - start), start, end, use_reentrant=False)
+                for start, end in bounds]
+    source = saved_once(x, len(bounds))
+
+    def chunk_call(source, start, end):
+        return fn(source.tensor().narrow(dim, start, end - start), start, end)
+
+    outputs = [checkpoint(chunk_call, source, start, end, use_reentrant=False) for start, end in bounds]
+    source.forward_done()
     return outputs

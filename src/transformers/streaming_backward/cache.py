@@ -149,17 +149,19 @@ def runs_its_class_forward(module) -> bool:
     return not (module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
 
 
-def discardable_query_projection(attn):
+def discardable_query_projection(attn, hooks_run=False):
     """`attn.q_proj` if a pass that stops at the cache may skip it (its queries are never read), else None.
 
     Only where skipping changes nothing else: a module with `out_features` (nn.Linear, a PEFT LoRA layer, a 4-bit
     Linear), no hooks of its own and no dropout with p > 0 inside (a K/V pass replays the forward's RNG state: a
     skipped dropout draw would shift those of k_proj/v_proj, e.g. LoRA dropout). A fused projection (Phi-3's `qkv_proj`)
-    computes the keys too: not skipped."""
+    computes the keys too: not skipped. With `hooks_run` (the autograd fallback under a wrapper's hooks, layer.py) a
+    module with hooks is skipped too: it is still called, its hooks run (ZeRO-3 gathers and releases its weight), and
+    only its product is not done (no forward set on the instance: accelerate's hooks live there)."""
     projection = getattr(attn, "q_proj", None)
     if not isinstance(projection, torch.nn.Module) or not isinstance(getattr(projection, "out_features", None), int):
         return None
-    if not runs_its_class_forward(projection):
+    if "forward" in vars(projection) or not (hooks_run or runs_its_class_forward(projection)):
         return None
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in projection.modules()):
         return None

@@ -43,7 +43,7 @@ from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.router_logits import positions, token_major
-from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
+from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph, saved_once
 from .cache import (
     BackwardCache,
     FixedCache,
@@ -469,11 +469,21 @@ class StreamedLayerFunction(torch.autograd.Function):
 def _forward_with_checkpoints(streamed, x):
     """Autograd fallback for layers whose weights a wrapper may swap (ZeRO-3, FSDP1: mst_core/wrappers.py): the
     layer checkpointed as a whole; inside, K/V of every chunk (layer stopped at the cache), then each chunk's
-    output under its own checkpoint, reading those K/V. Every gradient goes through ordinary autograd."""
+    output under its own checkpoint, reading those K/V. Every gradient goes through ordinary autograd.
+
+    The chunks' checkpoints read the layer input and the K/V from `ChunkSource`s, saved once before the chunks: the
+    layer's recompute then stops after its K/V pass, and each token goes through the layer's MLP twice a step (the
+    forward, its chunk's recompute), as under checkpointing, not a third time in the layer's recompute."""
     from torch.utils.checkpoint import checkpoint
 
     def chunk_output(x_chunk, keys, values, index):
         return streamed.call(x_chunk, index, FixedCache(keys, values))  # (out,) or (out, router logits)
+
+    def from_sources(sources, index):
+        start, end = streamed.chunks[index]
+        kv_start, kv_end = streamed.key_ranges[index]
+        x_all, keys, values = (source.tensor() for source in sources)
+        return chunk_output(x_all[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index)
 
     def layer_body(x):
         parts = []
@@ -484,16 +494,24 @@ def _forward_with_checkpoints(streamed, x):
         keys = torch.cat([k for k, _ in parts], dim=2)
         values = torch.cat([v for _, v in parts], dim=2)
         del parts
+        sources = None
+        if x.requires_grad and keys.requires_grad and values.requires_grad:
+            sources = [saved_once(tensor, len(streamed.chunks)) for tensor in (x, keys, values)]
         outs = [None] * len(streamed.chunks)
         for index in streamed.forward_order():  # the Function's order: the same dropout draws
             start, end = streamed.chunks[index]
             kv_start, kv_end = streamed.key_ranges[index]
+            if sources is not None:
+                outs[index] = checkpoint(from_sources, sources, index, use_reentrant=False)
+                continue
             outs[index] = (
                 checkpoint(
                     chunk_output, x[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index,
                     use_reentrant=False,
                 )
             )
+        for source in sources or ():
+            source.forward_done()
         out = torch.cat([chunk[0] for chunk in outs], dim=1)
         if len(outs[0]) == 1:
             return out
@@ -570,6 +588,8 @@ def _eager_forward(forward, layer, *args, **kwargs):
     storage = input_storage(layer)
     if params is None:
         # ZeRO-3 leaf modules (MoE blocks) run once per chunk here; DeepSpeed reduces their weights once per call.
+        # Its K/V passes skip the query projection, as the Function's do: q_proj sees each token twice a step.
+        streamed.query_projection = discardable_query_projection(layer.self_attn, hooks_run=True)
         with leaf_gradients_queued_once(layer):
             if storage is None:
                 return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
