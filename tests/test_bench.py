@@ -122,3 +122,18 @@ def test_host_sweep(tmp_path):
             assert float(r["ops_vs_checkpointing"]) == float(r["time_vs_checkpointing"]) == 1.0
         else:
             assert float(r["ops_vs_checkpointing"]) > 1.0
+
+
+def test_profiler_peak_equals_live_tensor_peak_for_an_eager_step():
+    """`bench.peak_above_start_bytes` (torch.profiler's memory timeline, which sees inductor's buffers) against the
+    live-tensor tracker on an eager step, where both see every tensor: the same peak."""
+    import bench
+    import torch
+    from transformers.mst_core.memory import LiveTensorTracker
+
+    trainee = bench.Trainee("llama", "auto", True, 512, torch.device("cpu"), torch.float32)
+    trainee.step()
+    with LiveTensorTracker() as tracker:
+        trainee.step()
+    profiled = bench.peak_above_start_bytes(trainee)
+    assert abs(profiled - tracker.peak_bytes) <= 0.01 * tracker.peak_bytes, (profiled, tracker.peak_bytes)

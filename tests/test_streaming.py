@@ -7,6 +7,7 @@ of `inputs_embeds` (helpers shared with test_mini_sequence_models.py).
 """
 
 import contextlib
+import importlib
 import zlib
 
 import pytest
@@ -465,8 +466,9 @@ def test_eval_and_generate_unchanged(family):
 
 
 def test_no_grad_training_mode_runs_upstream(monkeypatch):
-    monkeypatch.setattr(transformers.streaming_backward, "decoder_layer_forward",
-                        lambda *a, **k: pytest.fail("streamed under no_grad"))
+    # Imported here: transformers' lazy module has no such attribute until some test imported the package.
+    streaming_backward = importlib.import_module("transformers.streaming_backward")
+    monkeypatch.setattr(streaming_backward, "decoder_layer_forward", lambda *a, **k: pytest.fail("streamed under no_grad"))
     model = make_model("llama", streaming_backward_chunk=3).train()
     with torch.no_grad():
         model(input_ids=torch.ones(1, 12, dtype=torch.long))

@@ -197,6 +197,7 @@ def summed_as_computed(acc: list, params, fp32_sums: bool = True):
     outer one passes it on, and takes the inner Function's result when autograd delivers it."""
     stack = _summing.__dict__.setdefault("stack", [])
     me = object()
+    zeros = {}  # index -> the zero of no storage handed back in its place: made once, not per chunk (2 calls each)
 
     def add(index, grad):
         if grad is None or stack[-1] is not me:
@@ -204,7 +205,10 @@ def summed_as_computed(acc: list, params, fp32_sums: bool = True):
             # Not innermost: an inner context's computation, which sums this one.
             return None
         _add_grad(acc, index, grad, fp32_sums)
-        return grad.new_zeros(()).expand_as(grad)
+        zero = zeros.get(index)
+        if zero is None or zero.shape != grad.shape or zero.dtype != grad.dtype or zero.device != grad.device:
+            zero = zeros[index] = grad.new_zeros(()).expand_as(grad)
+        return zero
 
     handles = [param.register_hook(functools.partial(add, i)) for i, param in enumerate(params)]
     stack.append(me)
