@@ -822,6 +822,7 @@ def main(argv=None):
         write(rows, args.out, "host", host_cost.header())
     elif args.sweep == "compile":
         rows = sweep_compile(args, device)
+        header = header.replace(" (live tensor bytes + weights and optimizer states)", "")
         header = header.replace("time = median", "model.compile(); graph_breaks: dynamo's count at the compiling step; "
                                 "speed_vs_unset: the compiled unset_reference step time over this one (>1: faster); "
                                 "peak_MiB / eager_peak_MiB: bytes allocated during one step above its start, compiled / "
