@@ -40,15 +40,18 @@ results committed under docs/bench/ are written on purpose with --out docs/bench
 import argparse
 import csv
 import itertools
+import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 import host_cost
@@ -221,11 +224,6 @@ def peak_above_start_bytes(trainee):
         torch.cuda.reset_peak_memory_stats(trainee.device)
         trainee.step()
         return torch.cuda.max_memory_allocated(trainee.device) - start
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         trainee.step()
     with tempfile.TemporaryDirectory() as folder:

@@ -205,10 +205,9 @@ def summed_as_computed(acc: list, params, fp32_sums: bool = True):
             # Not innermost: an inner context's computation, which sums this one.
             return None
         _add_grad(acc, index, grad, fp32_sums)
-        zero = zeros.get(index)
-        if zero is None or zero.shape != grad.shape or zero.dtype != grad.dtype or zero.device != grad.device:
-            zero = zeros[index] = grad.new_zeros(()).expand_as(grad)
-        return zero
+        if index not in zeros:  # a parameter's gradient always has its shape, dtype and device
+            zeros[index] = grad.new_zeros(()).expand_as(grad)
+        return zeros[index]
 
     handles = [param.register_hook(functools.partial(add, i)) for i, param in enumerate(params)]
     stack.append(me)
