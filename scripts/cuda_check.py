@@ -221,10 +221,9 @@ def train_steps(model_name, method, seq, device, repeats, streaming_chunk="auto"
     ids = ids.to(device)
     times, losses = [], []
     compiled = METHODS[method][4]
-    if compiled:
-        from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters
 
-        counters.clear()
+    counters.clear()  # graphs compiled in this run: the model's (+compile) or the LM-head loss's kernels
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -239,6 +238,8 @@ def train_steps(model_name, method, seq, device, repeats, streaming_chunk="auto"
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
+            if len(times) == 1:
+                graphs_after_first_step = counters["stats"]["unique_graphs"]
     except torch.OutOfMemoryError:
         return {"method": method, "seq": seq, "oom": True}
     finally:
@@ -247,7 +248,10 @@ def train_steps(model_name, method, seq, device, repeats, streaming_chunk="auto"
         if device == "cuda":
             torch.cuda.empty_cache()
     row = {"method": method, "seq": seq, "oom": False, "peak_bytes": peak,
-           "step_seconds": statistics.median(times[1:]), "first_loss": losses[0]}
+           "step_seconds": statistics.median(times[1:]), "first_loss": losses[0],
+           # what a user waits for once (compilation), and whether a later step compiled again
+           "first_step_seconds": times[0], "graphs_compiled": counters["stats"]["unique_graphs"],
+           "graphs_compiled_after_first_step": counters["stats"]["unique_graphs"] - graphs_after_first_step}
     if compiled:  # graph breaks over the whole run (the warm-up step compiles; later steps reuse)
         row["graph_breaks"] = sum(counters["graph_break"].values())
     return row

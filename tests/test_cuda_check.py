@@ -39,7 +39,7 @@ def test_policy_overrides_change_what_auto_means(monkeypatch):
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from transformers.mini_sequence import config, integration, lm_head_chunk_size, loss
+    from transformers.mini_sequence import config, fused_loss, integration, lm_head_chunk_size, loss
 
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
     import policy_overrides
@@ -47,6 +47,7 @@ def test_policy_overrides_change_what_auto_means(monkeypatch):
     for module, name in ((integration, "mlp_chunk_size"), (config, "AUTO_MIN_LM_HEAD_TOKENS"),
                          (loss, "_ROW_BLOCKS_PER_CHUNK"), (loss, "_vocab_sliced_backward_pays")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    monkeypatch.setattr(fused_loss, "DEVICES", set(fused_loss.DEVICES))
 
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -85,9 +86,11 @@ def test_policy_overrides_change_what_auto_means(monkeypatch):
     policy_overrides.add_arguments(parser)
     assert policy_overrides.apply(parser.parse_args([])) == {}
     args = parser.parse_args(["--mlp-chunk", "90", "--lm-head-min-tokens", "64", "--row-blocks", "3", "--head",
-                              "accumulating"])
+                              "accumulating", "--fused-loss", "off"])
+    fused_loss.DEVICES.add("cpu")  # as on CUDA: the loss's compiled kernels, until --fused-loss off
+    assert fused_loss.applies(torch.randn(4, 10))
     assert policy_overrides.apply(args) == {"mlp_chunk": 90, "lm_head_min_tokens": 64, "row_blocks": 3,
-                                            "head": "accumulating"}
+                                            "fused_loss": "off", "head": "accumulating"}
     assert mlp_chunks() == [90, 90, 20] and lm_head_chunk_size("auto", 64, 1000, 200) == 64
     assert loss_blocks() == 3 and not sliced_head()
     # an int field is the user's choice: not overridden
@@ -131,7 +134,7 @@ def test_cuda_ab_imports_the_build_it_names(tmp_path):
     assert len(wheels) == 1, f"expected the one wheel `make wheel` builds in dist/, found {wheels}"
     env = dict(os.environ, OUT=str(tmp_path / "out"), SITE_DIR=str(tmp_path), MODEL="tiny",
                PARTS="steps_old policy_mlp_chunk_4096",
-               SEQS="128",
+               SEQS="128", SHORT_SEQS="",
                OLD=str(wheels[0]), NEW=str(wheels[0]), PYTHON=sys.executable, PLAN=str(tmp_path / "no_plan.json"))
     result = subprocess.run(["bash", str(REPO / "scripts" / "cuda_ab.sh")], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)

@@ -11,6 +11,7 @@ from conftest import run_py
 from transformers.mst_core import families, wrappers
 from transformers.mst_core.memory import LiveTensorTracker
 from transformers.mst_planner import cli, plan, search, standins
+from transformers.mst_core.chunks import chunk_policy_for
 from transformers.streaming_backward.config import streaming_chunk_size
 
 TINY = dict(vocab_size=8000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4)
@@ -128,7 +129,7 @@ def test_standin_attention_equals_real_sdpa():
         if checkpointing:
             model.activation_checkpointing_enable()
         ids = torch.randint(0, TINY["vocab_size"], (1, 512))
-        with LiveTensorTracker(keep_largest=0) as tracker:
+        with LiveTensorTracker(keep_largest=0) as tracker, chunk_policy_for(planner.policy_device):
             model(input_ids=ids, labels=ids).loss.backward()
         fake = planner.step_peak_bytes(method, 512)
         assert abs(fake - tracker.peak_bytes) <= 0.02 * tracker.peak_bytes, (method, fake, tracker.peak_bytes)
@@ -225,9 +226,10 @@ def run_main(capsys, *args):
 
 def test_json_output(capsys, tiny_config):
     code, out, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "0.12", "--granularity", "256",
-                              "--optimizer", "none", "--optimizer-in-backward", "--json")
+                              "--optimizer", "none", "--optimizer-in-backward", "--json", "--policy-device", "cpu")
     assert code == 0, err[-2000:]
     result = json.loads(out)
+    assert result["policy_device"] == "cpu"  # d = 256's mini-sequences (a GPU's 4096 tokens split nothing this short)
     max_s, peaks = result["max_seq_len"], result["peak_gib_at_max"]
     assert set(max_s) == set(peaks) == set(plan.METHODS)
     assert all(isinstance(v, int) and v > 0 and v % 256 == 0 for v in max_s.values())
@@ -278,6 +280,10 @@ def test_bad_inputs(capsys, tmp_path, tiny_config):
     assert code == 2 and "--granularity must be" in err
     code, _, err = run_main(capsys, "--model", "llama3-8b", "--gpu-memory-gib", "16")
     assert code == 2 and "8.03B parameters" in err
+    code, _, err = run_main(capsys, "--model", str(tiny_config), "--gpu-memory-gib", "80", "--policy-device", "tpu")
+    assert code == 2 and "invalid choice: 'tpu'" in err
+    with pytest.raises(plan.PlanError, match=r"--policy-device 'mps': allowed cuda, cpu"):
+        plan.Planner(transformers.LlamaConfig(**TINY), policy_device="mps")
 
 
 # --- several GPUs: ZeRO, Ulysses sequence parallelism, offload -----------------------------------------------
@@ -300,7 +306,7 @@ def _reference_single_gpu_peak(method, seq_len, optimizer_bytes):
             model.activation_checkpointing_enable()
         num_params = sum(p.numel() for p in model.parameters())
         ids = torch.zeros(1, seq_len, dtype=torch.long)
-        with LiveTensorTracker(keep_largest=0) as tracker:
+        with LiveTensorTracker(keep_largest=0) as tracker, chunk_policy_for("cuda"):  # the chunks a GPU takes
             model(input_ids=ids, labels=ids).loss.backward()
     return num_params * (2 + optimizer_bytes) + tracker.peak_bytes
 
@@ -458,7 +464,8 @@ def test_streamed_layer_input_offload():
         assert offloaded.host_bytes(method, seq) == layer_inputs, method
         assert kept.host_bytes(method, seq) == 0
         saved = kept.step_peak_bytes(method, seq) - offloaded.step_peak_bytes(method, seq)
-        one_chunk = streaming_chunk_size("auto", TINY["hidden_size"]) * TINY["hidden_size"] * 2  # [chunk, d] bf16
+        # [chunk, d] bf16, in the chunks the planner plans (a GPU's)
+        one_chunk = streaming_chunk_size("auto", TINY["hidden_size"], kept.policy_device) * TINY["hidden_size"] * 2
         assert layer_inputs - one_chunk <= saved <= layer_inputs, (method, saved, layer_inputs)
 
 
@@ -619,7 +626,9 @@ PINNED_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, n
 # 5.24.0+mst.16: streaming "auto" chunks are at least 1024 tokens (this config's d is 256), and inside a streamed
 # chunk the MLP runs unsplit (no third MLP pass), so up to 1024 tokens a streamed layer is one chunk holding its
 # whole MLP working set, as checkpointing's recompute does: streaming 1024 -> 768, mini_sequence+streaming 2560 ->
-# 768 at this 0.03 GiB budget. Models with d >= 1024 (every built-in checkpoint) plan as before.
+# 768 at this 0.03 GiB budget. Models with d >= 1024 (every built-in checkpoint) plan as before. Since
+# 5.24.0+mst.29 the planner plans a GPU's "auto" chunks (at least 4096 tokens): these are the CPU's
+# (`policy_device="cpu"`), as before.
 PINNED_MAX_SEQ_LEN = {"vanilla": 256, "checkpointing": 768, "mini_sequence": 512, "mini_sequence+checkpointing": 1280,
                       "streaming": 768, "mini_sequence+streaming": 768}
 PINNED_PEAK_GIB = {"vanilla": 0.02, "checkpointing": 0.03, "mini_sequence": 0.03, "mini_sequence+checkpointing": 0.03,
@@ -630,7 +639,8 @@ def test_search_maxima_equal_the_pinned_values(tmp_path):
     """In one process and with the methods' searches in two forked processes (--jobs 2): the same numbers."""
     transformers.LlamaConfig(**PINNED_CONFIG).save_pretrained(tmp_path)
     for jobs in (1, 2):
-        got = plan.plan(str(tmp_path / "config.json"), 0.03, "adamw-bf16", True, granularity=256, jobs=jobs)
+        got = plan.plan(str(tmp_path / "config.json"), 0.03, "adamw-bf16", True, granularity=256, jobs=jobs,
+                        policy_device="cpu")
         assert got["max_seq_len"] == PINNED_MAX_SEQ_LEN and got["peak_gib_at_max"] == PINNED_PEAK_GIB, (jobs, got)
         assert got["not_planned"] == {}
 

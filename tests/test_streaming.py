@@ -76,6 +76,9 @@ def test_auto_chunk_policy():
     assert streaming_chunk_size("auto", 4096) == 4096  # hidden_size query tokens
     assert streaming_chunk_size("auto", 256) == 1024  # at least 1024 (config.py: shorter chunks cost time)
     assert streaming_chunk_size(7, 4096) == 7 and streaming_chunk_size(7, 256) == 7
+    # on an accelerator at least 4096 (config.py: each chunk is host work the GPU waits for)
+    assert streaming_chunk_size("auto", 256, "cuda") == 4096 and streaming_chunk_size("auto", 8192, "cuda") == 8192
+    assert streaming_chunk_size(7, 256, "cuda") == 7
 
 
 def test_flag_assigned_after_construction_is_checked_at_use():

@@ -3,8 +3,8 @@
 Importable without torch. Allowed values (README, "The fields"; docs/mini-sequence.md):
 
 - ``None``: mini-sequence processing off, exactly upstream behaviour.
-- ``"auto"``: the paper's policy (MsT §3.4): MLP chunks of ``C = hidden_size`` tokens,
-  LM head split into ``M = ceil(vocab_size / hidden_size)`` mini-sequences.
+- ``"auto"``: the paper's policy (MsT §3.4): MLP chunks of ``C = hidden_size`` tokens (on an accelerator at
+  least `AUTO_MIN_MLP_TOKENS_ACCELERATOR`), LM head split into ``M = ceil(vocab_size / hidden_size)`` mini-sequences.
 - a positive ``int`` C: mini-sequences of C tokens for both the MLP and the LM head.
 """
 
@@ -13,10 +13,24 @@ import math
 from ..mst_core.fields import MINI_SEQUENCE_ALLOWED, MINI_SEQUENCE_FIELD, hidden_size_chunk, validate_mini_sequence_chunk
 
 
-def mlp_chunk_size(value, hidden_size: int) -> int:
+# On an accelerator (any device but the CPU) "auto" MLP mini-sequences are at least this many tokens. Each one costs
+# a round of host work (its forward; in backward its recompute and an `autograd.grad`), which the GPU waits for, and
+# its weight gradients as fp32-output GEMMs. Measured on an H200 (docs/cuda/README.md, Llama-3.2-1B shapes, d = 2048,
+# bf16, mini_sequence+checkpointing against checkpointing's speed, one machine): 4K tokens 0.79x in chunks of 2048,
+# 0.98-1.14x unsplit; 16K 0.90x / 0.91x (2048 / 4096) for 10.54 / 10.60 GiB; 32K 0.93x / 0.94x, 12.00 GiB both.
+# Chunks of 8192 bought no more speed and cost 0.47 GiB at 16K. On the CPU the work is the arithmetic, not its launch
+# (docs/measurements.md): C = d there.
+AUTO_MIN_MLP_TOKENS_ACCELERATOR = 4096
+
+
+def mlp_chunk_size(value, hidden_size: int, device_type: str = "cpu") -> int:
     """Tokens per MLP mini-sequence. ``"auto"`` -> ``hidden_size`` (MsT §3.4: C = d keeps
-    the MLP compute-bound, and a sequence no longer than d is not split at all)."""
-    return hidden_size_chunk(MINI_SEQUENCE_FIELD, value, MINI_SEQUENCE_ALLOWED, hidden_size)
+    the MLP compute-bound, and a sequence no longer than d is not split at all), and on an accelerator at least
+    `AUTO_MIN_MLP_TOKENS_ACCELERATOR`."""
+    chunk = hidden_size_chunk(MINI_SEQUENCE_FIELD, value, MINI_SEQUENCE_ALLOWED, hidden_size)
+    if value == "auto" and device_type != "cpu":
+        return max(chunk, AUTO_MIN_MLP_TOKENS_ACCELERATOR)
+    return chunk
 
 
 # "auto" never makes LM-head chunks smaller than this. Each chunk re-reads the whole [V, d] weight

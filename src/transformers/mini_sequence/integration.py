@@ -9,7 +9,7 @@
 - `moe_forward(block, x)`: from the sparse MoE blocks' `forward` (Mixtral, Qwen3-MoE, GPT-OSS), as `mlp_forward`.
 """
 
-from ..mst_core.chunks import inside_streamed_chunk
+from ..mst_core.chunks import inside_streamed_chunk, policy_device_type
 from ..loss.loss_utils import ForCausalLMLoss
 from ..modeling_outputs import CausalLMOutputWithPast
 from ..utils import logging
@@ -46,7 +46,7 @@ def mlp_forward(mlp, hidden_states):
     config = mlp.config
     if not enabled(config) or inside_streamed_chunk():
         return None
-    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
+    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size, policy_device_type(hidden_states))
     if hidden_states.shape[-2] <= chunk_size:
         return None
     return mini_sequence_mlp(mlp, hidden_states, chunk_size)
@@ -61,7 +61,7 @@ def mlp_then_norm(mlp, norm, hidden_states):
     config = mlp.config
     if not enabled(config) or inside_streamed_chunk():
         return norm(mlp(hidden_states))
-    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
+    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size, policy_device_type(hidden_states))
     return mini_sequence_mlp_then_norm(mlp, norm, hidden_states, chunk_size)
 
 
@@ -73,7 +73,7 @@ def moe_forward(block, hidden_states, tokens_flattened=False):
     config = block.config
     if not enabled(config) or inside_streamed_chunk():
         return None
-    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size)
+    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size, policy_device_type(hidden_states))
     if hidden_states.shape[-2] <= chunk_size:
         return None
     if block.training and getattr(config, "router_jitter_noise", 0.0):
@@ -91,7 +91,8 @@ def final_norm(model, hidden_states):
     config = model.config
     if not enabled(config):
         return model.norm(hidden_states)
-    return mini_sequence_norm(model.norm, hidden_states, mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size))
+    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size, policy_device_type(hidden_states))
+    return mini_sequence_norm(model.norm, hidden_states, chunk_size)
 
 
 def _text_config(model):

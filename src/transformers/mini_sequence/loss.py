@@ -79,6 +79,7 @@ slice's products one GEMM over all tokens, and holds an fp32 [N, d] sum instead,
 import torch
 import torch.nn.functional as F
 
+from . import fused_loss
 from ..mst_core.grads import accumulate_grads, add_linear_weight_grad, add_product_fp32
 from ..mst_core.wrappers import (
     is_plain_parameter,
@@ -143,9 +144,30 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
     safe_target = torch.where(valid, labels, 0).unsqueeze(1)  # [C, 1]
     if lse_out is not None:  # before the loop: ``grad_out`` may overwrite the logits
         target_logits = logits.gather(1, safe_target).squeeze(1).float()  # [C]
+    scale = minus_scale = None
     if grad_out is not None:
         scale = torch.where(valid, grad_scale, 0.0).unsqueeze(1)  # [C, 1]
         minus_scale = -scale
+    picked = None
+    if fused_loss.applies(logits):  # one reduction and one pointwise kernel for the whole chunk (fused_loss.py)
+        if grad_out is None:
+            picked = fused_loss.log_prob_at_target(logits, safe_target)
+        else:
+            if grad_out is not logits:
+                grad_out.copy_(logits)
+            picked = fused_loss.loss_grad_(grad_out, safe_target, scale)
+    if picked is None:
+        picked = _log_probs_at_target_by_blocks(logits, safe_target, scale, minus_scale, grad_out, row_blocks)
+    if lse_out is not None:
+        # log p(t) = logit(t) - lse at any column t: one fused kernel gives both, where torch.logsumexp of an fp32
+        # copy reads the block four more times (on a GPU this loss is bound by memory traffic)
+        lse_out.copy_(target_logits - picked)
+    return -torch.where(valid, picked, 0.0).sum()
+
+
+def _log_probs_at_target_by_blocks(logits, safe_target, scale, minus_scale, grad_out, row_blocks):
+    """`_cross_entropy_sum_and_grad`'s fp32 work in eager torch, a block of rows at a time: [C] log p(target), and
+    the gradient written into ``grad_out`` unless it is None."""
     picked = []  # per block [rows, 1]: log p(target), fp32
     rows = max(1, -(-logits.shape[0] // (row_blocks or _ROW_BLOCKS_PER_CHUNK)))
     for start in range(0, logits.shape[0], rows):
@@ -158,12 +180,7 @@ def _cross_entropy_sum_and_grad(logits, labels, ignore_index, grad_scale, grad_o
             grad_out[block].copy_(grad)
             del grad
         del log_probs  # before the next block's is allocated
-    picked = torch.cat(picked).squeeze(1)  # [C]
-    if lse_out is not None:
-        # log p(t) = logit(t) - lse at any column t: one fused kernel gives both, where torch.logsumexp of an fp32
-        # copy reads the block four more times (on a GPU this loss is bound by memory traffic)
-        lse_out.copy_(target_logits - picked)
-    return -torch.where(valid, picked, 0.0).sum()
+    return torch.cat(picked).squeeze(1)  # [C]
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -415,12 +432,16 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
             in_slice = ((target >= first) & (target < last)).unsqueeze(1)
             column = torch.where(in_slice, target.unsqueeze(1) - first, 0)
             at_target = torch.where(in_slice, -magnitude, 0.0)
-            for start in range(0, tokens, block):
-                rows = slice(start, start + block)
-                part = torch.sub(logits[rows].detach(), shift[rows]).exp_()  # fp32: half - fp32 promotes
-                part.scatter_add_(1, column[rows], at_target[rows])
-                torch.mul(part, sign, out=grad[rows])
-                del part
+            fused = fused_loss.applies(grad)
+            if fused and softcap is not None:
+                grad.copy_(logits.detach())
+            if not (fused and fused_loss.sliced_grad_(grad, shift, column, at_target, sign)):
+                for start in range(0, tokens, block):
+                    rows = slice(start, start + block)
+                    part = torch.sub(logits[rows].detach(), shift[rows]).exp_()  # fp32: half - fp32 promotes
+                    part.scatter_add_(1, column[rows], at_target[rows])
+                    torch.mul(part, sign, out=grad[rows])
+                    del part
             if softcap is not None:
                 (grad,) = torch.autograd.grad(logits, raw, grad)
             del raw, logits

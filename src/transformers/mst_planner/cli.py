@@ -7,7 +7,7 @@ import os
 from ..mst_core.families import CHECKPOINTS
 from . import plan as plan_module
 from .assumptions import ASSUMPTIONS
-from .plan import METHODS, OFFLOAD_CHOICES, OPTIMIZER_STATE_BYTES, ZERO_STAGES, PlanError, plan
+from .plan import METHODS, OFFLOAD_CHOICES, OPTIMIZER_STATE_BYTES, POLICY_DEVICES, ZERO_STAGES, PlanError, plan
 
 
 def _streaming_chunk_arg(value):
@@ -38,6 +38,9 @@ def main(argv=None):
                         help="plan only these methods (default: all; each long search costs minutes)")
     parser.add_argument("--streaming-chunk", default="auto", type=_streaming_chunk_arg,
                         help='streaming_backward_chunk of the streamed methods: "auto" (default) or query tokens per chunk')
+    parser.add_argument("--policy-device", default="cuda", choices=POLICY_DEVICES,
+                        help='whose "auto" chunk policies to plan: a GPU\'s (default; at least 4096 tokens per MLP '
+                             "mini-sequence and streamed chunk) or the CPU's (hidden_size)")
     parser.add_argument("--seq-len", nargs="+", type=int, default=None, metavar="TOKENS",
                         help="evaluate these whole-sequence lengths (peak, host memory, fits?) instead of searching")
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
@@ -48,7 +51,7 @@ def main(argv=None):
     try:
         result = plan(args.model, args.gpu_memory_gib, args.optimizer, args.optimizer_in_backward, args.granularity,
                       args.gpus, args.zero, args.sp, args.offload, args.methods, args.streaming_chunk, args.seq_len,
-                      progress=True, jobs=args.jobs)
+                      progress=True, jobs=args.jobs, policy_device=args.policy_device)
     except PlanError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if args.json:

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 import transformers
 
+from ..mst_core.chunks import chunk_policy_for
 from ..streaming_backward import layer as streamed_layer
 from ..streaming_backward import offload as streamed_offload
 from ..mst_core.families import CHECKPOINTS, FAMILIES, streaming_model_types, streaming_refusal
@@ -202,9 +203,13 @@ def _planned_as(text_config, composite):
     return getattr(transformers, FAMILIES[PLANNED_AS[text_config.model_type]].config_class)(**values)
 
 
+# the devices whose "auto" chunk policies can be planned (mst_core/chunks.py: chunk_policy_for)
+POLICY_DEVICES = ("cuda", "cpu")
+
+
 class Planner:
     def __init__(self, config, optimizer="adamw", optimizer_in_backward=False, parallel=None, granularity=1024,
-                 streaming_chunk="auto"):
+                 streaming_chunk="auto", policy_device="cuda"):
         if optimizer not in OPTIMIZER_STATE_BYTES:
             raise PlanError(f"--optimizer {optimizer!r}: allowed {', '.join(OPTIMIZER_STATE_BYTES)}")
         try:
@@ -213,7 +218,11 @@ class Planner:
             raise PlanError(f"--streaming-chunk {streaming_chunk!r}: {err}") from None
         if streaming_chunk is None:
             raise PlanError('--streaming-chunk None: allowed "auto" or a positive int (query tokens per chunk)')
+        if policy_device not in POLICY_DEVICES:
+            raise PlanError(f"--policy-device {policy_device!r}: allowed {', '.join(POLICY_DEVICES)}")
         self.streaming_chunk = streaming_chunk  # streaming_backward_chunk of the streamed methods
+        # whose "auto" chunk policies the steps take (the fake CPU tensors stand in for this device's)
+        self.policy_device = policy_device
         self.parallel = parallel = parallel or Parallel()
         check_parallel(parallel, config, granularity, optimizer_in_backward)
         self.config = config
@@ -329,7 +338,7 @@ class Planner:
 
     def _step(self, method, seq_len, fake, depth=None):
         """(peak bytes, peak host bytes, the phases when `depth` is given) of one step (step_peak_bytes)."""
-        with FakeTensorMode() if fake else contextlib.nullcontext():
+        with FakeTensorMode() if fake else contextlib.nullcontext(), chunk_policy_for(self.policy_device):
             model, hooks = self._build(METHODS[method], depth)
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
             with LiveTensorTracker(keep_largest=0) as tracker:
@@ -407,10 +416,11 @@ def _layer_signatures(config, layers):
 
 def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, granularity=1024,
          gpus=1, zero=0, sp=1, offload=(), methods=None, streaming_chunk="auto", seq_lens=None, progress=False,
-         jobs=1):
+         jobs=1, policy_device="cuda"):
     """Search each method's longest fitting sequence, or with `seq_lens` evaluate those lengths only.
     `progress`: show a bar of the fake steps on stderr (the command line does). `jobs` > 1: the methods'
-    searches run in that many forked processes (each search is independent: the same steps, the same numbers)."""
+    searches run in that many forked processes (each search is independent: the same steps, the same numbers).
+    `policy_device`: whose "auto" chunk policies the steps take (a GPU's: longer chunks than the CPU's)."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise PlanError(f"--jobs {jobs!r}: allowed a positive number of processes")
     parallel = Parallel(gpus, zero, sp, tuple(offload))
@@ -431,7 +441,7 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
         raise PlanError(f"--gpu-memory-gib must be positive, got {gpu_memory_gib}")
     if granularity <= 0:
         raise PlanError(f"--granularity must be a positive number of tokens, got {granularity}")
-    planner = Planner(config, optimizer, optimizer_in_backward, parallel, granularity, streaming_chunk)
+    planner = Planner(config, optimizer, optimizer_in_backward, parallel, granularity, streaming_chunk, policy_device)
     budget = int(gpu_memory_gib * GIB)
     state = planner.resident_bytes + planner.gradient_bytes
     settings = f"--optimizer {optimizer}{' --optimizer-in-backward' if optimizer_in_backward else ''}"
@@ -446,7 +456,7 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
         )
     result = {"model": model, "parameters": planner.num_params, "gpu_memory_gib": gpu_memory_gib,
               "optimizer": optimizer, "optimizer_in_backward": optimizer_in_backward,
-              "streaming_chunk": streaming_chunk,
+              "streaming_chunk": streaming_chunk, "policy_device": policy_device,
               "resident_gib": round(planner.resident_bytes / GIB, 2), "granularity": granularity,
               "measured_on": "FakeTensorMode on the CPU device, standing in for the GPU (a fake cuda device "
                              "crashes the CPU build of torch)",

@@ -12,9 +12,18 @@ from ..mst_core.fields import STREAMING_ALLOWED, STREAMING_FIELD, hidden_size_ch
 # d >= 1024 (the floor changes nothing there). Inside a streamed chunk the mini-sequence MLP runs unsplit
 # (mst_core/chunks.py), so a chunk longer than the MLP's mini-sequences adds no recompute.
 MIN_AUTO_CHUNK = 1024
+# On an accelerator (any device but the CPU) a streamed chunk's forward, recompute and backward are host work the GPU
+# waits for (docs/cuda/README.md: on an H200, Llama-3.2-1B shapes at 16K, `streaming` took 0.810 s in chunks of
+# 2048, 0.721 s in 4096 and 0.679 s in 8192, same peak). The price with mini-sequences, planned (cuda_check.py
+# --planner-only --streaming-chunk): 10.19 GiB at 16K either way, 10.28 -> 10.55 at 32K, 12.73 -> 12.93 at 64K;
+# chunks of 8192 cost 0.5-0.8 GiB. As the mini-sequence MLP's floor (mini_sequence/config.py).
+MIN_AUTO_CHUNK_ACCELERATOR = 4096
 
 
-def streaming_chunk_size(value, hidden_size: int) -> int:
-    """Query tokens per streamed chunk for `streaming_backward_chunk=value` ("auto": max(hidden_size, 1024))."""
+def streaming_chunk_size(value, hidden_size: int, device_type: str = "cpu") -> int:
+    """Query tokens per streamed chunk for `streaming_backward_chunk=value` ("auto": max(hidden_size, 1024), on an
+    accelerator max(hidden_size, 4096))."""
     chunk = hidden_size_chunk(STREAMING_FIELD, value, STREAMING_ALLOWED, hidden_size)
-    return max(chunk, MIN_AUTO_CHUNK) if value == "auto" else chunk
+    if value != "auto":
+        return chunk
+    return max(chunk, MIN_AUTO_CHUNK if device_type == "cpu" else MIN_AUTO_CHUNK_ACCELERATOR)

@@ -37,7 +37,7 @@ import inspect
 
 import torch
 
-from ..mst_core.chunks import one_streamed_chunk
+from ..mst_core.chunks import one_streamed_chunk, policy_device_type
 from ..mst_core.families import streaming_model_types, streaming_refusal
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
@@ -137,7 +137,8 @@ class StreamedCall:
         # No mask, no window, no dropout: torch's lower-right causal bias (no [chunk, keys] mask tensor; SDPA picks
         # its causal kernels, aligned bottom-right) instead of a bool mask built per chunk.
         self.causal_bias = mask is None and self.window is None and not (attn.training and getattr(attn, "attention_dropout", 0.0))
-        chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size)
+        chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
+                                     policy_device_type(hidden_states))
         self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
         if self.flash:
             # Packing is given to each chunk as its own cu_seq_lens (FlashAttention masks per sequence itself).
