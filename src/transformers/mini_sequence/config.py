@@ -16,10 +16,10 @@ from ..mst_core.fields import MINI_SEQUENCE_ALLOWED, MINI_SEQUENCE_FIELD, hidden
 # On an accelerator (any device but the CPU) "auto" MLP mini-sequences are at least this many tokens. Each one costs
 # a round of host work (its forward; in backward its recompute and an `autograd.grad`), which the GPU waits for, and
 # its weight gradients as fp32-output GEMMs. Measured on an H200 (docs/cuda/README.md, Llama-3.2-1B shapes, d = 2048,
-# bf16, mini_sequence+checkpointing against checkpointing's speed, one machine): 4K tokens 0.79x in chunks of 2048,
-# 0.98-1.14x unsplit; 16K 0.90x / 0.91x (2048 / 4096) for 10.54 / 10.60 GiB; 32K 0.93x / 0.94x, 12.00 GiB both.
-# Chunks of 8192 bought no more speed and cost 0.47 GiB at 16K. On the CPU the work is the arithmetic, not its launch
-# (docs/measurements.md): C = d there.
+# bf16, mini_sequence+checkpointing against checkpointing's speed, one machine, 3 steps): 4K tokens 0.79x in chunks
+# of 2048, 0.88x / 1.02x unsplit (two runs); 16K 0.90x / 0.91x (2048 / 4096) for 10.54 / 10.60 GiB; 32K 0.93x / 0.94x,
+# 12.00 GiB both. Chunks of 8192 bought no more speed and cost 0.47 GiB at 16K. With this floor, 10 steps at 4K:
+# 0.74x -> 1.04x. On the CPU the work is the arithmetic, not its launch (docs/measurements.md): C = d there.
 AUTO_MIN_MLP_TOKENS_ACCELERATOR = 4096
 
 

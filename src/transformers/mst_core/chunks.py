@@ -1,9 +1,10 @@
 """Chunk state shared by the methods: whether this thread is running a decoder layer on one streamed query chunk
 (streaming_backward/layer.py), and which device's "auto" chunk policies apply (`policy_device_type`).
 
-Inside a streamed chunk the mini-sequence MLP / MoE blocks run unsplit (mini_sequence/integration.py): the streamed chunk already
-bounds their working set to its own tokens, and a chunked Function inside the chunk's recompute would run the MLP a
-third time in the step (its backward recomputes every mini-sequence once more), where checkpointing runs it twice."""
+Inside a streamed chunk the mini-sequence MLP / MoE blocks run unsplit (mini_sequence/integration.py): the streamed
+chunk already bounds their working set to its own tokens, and a chunked Function inside the chunk's recompute would
+run the MLP a third time in the step (its backward recomputes every mini-sequence once more), where checkpointing runs
+it twice."""
 
 import contextlib
 import threading
