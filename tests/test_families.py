@@ -26,7 +26,8 @@ def test_readme_support_matrix_is_the_registry():
 
 
 def test_every_family_has_a_tiny_test_config():
-    tiny = set(tiny_models.FAMILIES) | set(tiny_models.NEW_FAMILIES) | set(tiny_models.SSM_FAMILIES)
+    tiny = (set(tiny_models.FAMILIES) | set(tiny_models.NEW_FAMILIES) | set(tiny_models.SSM_FAMILIES)
+            | set(tiny_models.RECURRENT_FAMILIES))
     # The multimodal gemma3, gemma4, qwen3_vl and qwen3_vl_moe are built around text tiny configs in
     # tests/test_new_families.py (Qwen3-VL's text stacks have no head of their own: they train inside the composite).
     built_there = ["gemma3", "gemma4", "qwen3_vl_text", "qwen3_vl", "qwen3_vl_moe_text", "qwen3_vl_moe"]
@@ -54,7 +55,7 @@ def test_checks_follow_the_registry(model_type):
     family = families.FAMILIES[model_type]
     applies = {field: model_type in types for field, types in model_checks.FIELD_MODEL_TYPES.items()}
     assert applies["mini_sequence_chunk"] == (family.mini_sequence in ("mlp", "moe", "lm_head"))
-    assert applies["streaming_backward_chunk"] == (family.streaming_attention != ())
+    assert applies["streaming_backward_chunk"] == (family.streaming_attention != () or bool(family.streaming_recurrent))
     assert applies["adjoint_sharding_chunk"] == applies["adjoint_truncation"] == family.adjoint
     assert (model_type in ulysses.SUPPORTED_MODEL_TYPES) == family.ulysses
 

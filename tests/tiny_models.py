@@ -43,11 +43,15 @@ NO_AUX_LOSS = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deeps
 UNTRAINED_UPSTREAM = ".self_attn.indexer."
 # State-space families (adjoint sharding).
 SSM_FAMILIES = _entries(model_types(adjoint=True))
+# Families whose recurrent layers stream through their state (streaming_backward/recurrent.py): state-space sizes.
+RECURRENT_FAMILIES = _entries(tuple(t for t, family in REGISTRY.items() if family.streaming_recurrent))
 
 
 def _entry(family):
     if family in SSM_FAMILIES:
         return SSM_COMMON, SSM_FAMILIES[family]
+    if family in RECURRENT_FAMILIES:
+        return SSM_COMMON, RECURRENT_FAMILIES[family]
     if family in NEW_FAMILIES:
         return COMMON, NEW_FAMILIES[family]
     return COMMON, FAMILIES[family]

@@ -11,9 +11,9 @@ gradient in place, with no fp32 [rows, V] buffer at all.
 The arithmetic is loss.py's, operation for operation (aten's `log_softmax`: ``(x - max) - log(sum(exp(x - max)))``
 in fp32; the gradient ``exp(log_probs) * scale`` plus ``-scale`` at the target, rounded once), so the results differ
 from the eager blocks only where the compiled ``exp`` / ``log`` round differently in fp32
-(tests/test_accelerator_paths.py bounds it). Used on CUDA where Triton is installed, outside torch.compile's own tracing (a compiled model's loss is
-compiled with it); ``TRANSFORMERS_MST_FUSED_LOSS=0`` keeps the eager blocks. A kernel that fails to compile is
-reported once and the eager blocks run instead.
+(tests/test_accelerator_paths.py bounds it). Used on CUDA where Triton is installed, outside torch.compile's own
+tracing (a compiled model's loss is compiled with it); ``TRANSFORMERS_MST_FUSED_LOSS=0`` keeps the eager blocks. A
+kernel that fails to compile is reported once and the eager blocks run instead.
 """
 
 import functools

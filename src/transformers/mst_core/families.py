@@ -21,7 +21,11 @@ class Family(NamedTuple):
     # Attention implementations streaming_backward_chunk streams this family's decoder layers with (tested: the
     # layer's own forward per query chunk, streaming_backward/); () where the field is not supported.
     streaming_attention: tuple = ()
-    no_streaming: str = "ignored"  # the README's word where streaming_attention is ()
+    no_streaming: str = "ignored"  # the README's word where the family does not stream
+    # The attribute of a recurrent decoder layer's mixer (a state-space or linear-attention layer meeting upstream's
+    # cache at its conv/recurrent state): streaming_backward_chunk streams the layer through its state
+    # (streaming_backward/recurrent.py). None: no recurrent layer streams.
+    streaming_recurrent: str | None = None
     # (config attribute, what it does): a config where that attribute is set (non-zero) is not streamed (warned at
     # construction), e.g. Gemma-4's K/V shared across layers. None: every config of the family streams.
     streaming_unless: tuple | None = None
@@ -192,6 +196,11 @@ FAMILIES = {
     "qwen3_vl_moe": Family("Qwen3-VL-MoE", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", "text_config",
                            no_streaming="on `text_config`: the text layers, as Qwen3-VL-MoE text (images and videos "
                                         "included)"),
+    # Mamba2: every layer a Mamba2 mixer (a 1-D convolution, then the SSD scan), streamed through its conv and SSM
+    # states; mini_sequence_chunk chunks its LM head + loss, as Mamba's. Tiny: 4 heads of 16, state 8, scan chunks of 8
+    # (shorter than the test sequences).
+    "mamba2": Family("Mamba2", "Mamba2Config", "Mamba2ForCausalLM", "lm_head", streaming_recurrent="mixer",
+                     tiny={"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 8}),
     "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", adjoint=True, tiny={}),
     "falcon_mamba": Family("FalconMamba", "FalconMambaConfig", "FalconMambaForCausalLM", "lm_head", adjoint=True,
                            tiny={}),
@@ -284,7 +293,7 @@ CHECKPOINTS = {
 
 def streaming_model_types() -> tuple:
     """The model types streaming_backward_chunk streams."""
-    return tuple(t for t, family in FAMILIES.items() if family.streaming_attention)
+    return tuple(t for t, family in FAMILIES.items() if family.streaming_attention or family.streaming_recurrent)
 
 
 def streaming_refusal(config) -> str | None:
@@ -318,6 +327,8 @@ _MINI_SEQUENCE_CELLS = {
 
 def _cells(family: Family) -> tuple:
     streaming = f"yes: {', '.join(family.streaming_attention)}" if family.streaming_attention else family.no_streaming
+    if family.streaming_recurrent:
+        streaming = "yes: through the recurrent state"
     if family.streaming_unless is not None:
         attribute, what = family.streaming_unless
         streaming += f"; ignored (warned) with {what} (`{attribute}` non-zero)"

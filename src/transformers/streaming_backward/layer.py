@@ -59,7 +59,7 @@ from .checks import (
     check_cache_is_empty,
     check_captured_outputs,
 )
-from . import router
+from . import recurrent, router
 from .config import streaming_chunk_size
 from .masks import (
     FLASH_VARLEN_KWARGS,
@@ -72,7 +72,7 @@ from .masks import (
     sliding_window,
     splits_on_cpu,
 )
-from .offload import SavedInput, input_storage
+from .offload import KeptInput, SavedInput, input_storage
 from .projections import RecordedProjections, recordable_projections
 from .rows import RowBlocks, row_blocks
 from .wrappers import layer_parameters
@@ -88,7 +88,7 @@ def applies(layer) -> bool:
     not one the registry excepts (`streaming_unless`: Gemma-4's K/V shared across layers).
     A layer of another family (the field set on it by `from_pretrained` or a config.json) is not streamed: the
     model warned at construction that the field is ignored (mst_core/model_checks.py)."""
-    config = getattr(getattr(layer, "self_attn", None), "config", None)
+    config = getattr(getattr(layer, "self_attn", None), "config", None) or getattr(layer, "config", None)
     if getattr(config, STREAMING_FIELD, None) is None or not (layer.training and torch.is_grad_enabled()):
         return False
     return getattr(config, "model_type", None) in STREAMING_MODEL_TYPES and streaming_refusal(config) is None
@@ -283,16 +283,6 @@ class StreamedCall:
         return (out,) if logits is None else (out, logits), buffers[0], buffers[1]
 
 
-class _KeptInput:
-    """The layer input kept on its device (as checkpointing keeps it), read like offload.SavedInput."""
-
-    def __init__(self, x):
-        self.saved = x
-
-    def rows(self, start, end):
-        return self.saved[:, start:end]
-
-
 class StreamedLayerFunction(torch.autograd.Function):
     """Inputs: x [B, S, d], the `StreamedCall`, whether to keep x in host memory, the call's `row_inputs` (their
     order), the layer's parameters that require grad (plain leaf parameters: mst_core/wrappers.py). Saves x only (the
@@ -315,7 +305,7 @@ class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_router_logits=None):
         refuse_create_graph("streaming backward", STREAMING_FIELD)
-        x = ctx.saved_input if ctx.saved_input is not None else _KeptInput(ctx.saved_tensors[0])
+        x = ctx.saved_input if ctx.saved_input is not None else KeptInput(ctx.saved_tensors[0])
         streamed, params = ctx.streamed, ctx.params
         needs_x = ctx.needs_input_grad[0]
         row_count = len(streamed.row_inputs)
@@ -534,7 +524,10 @@ class _KeysValuesOnly(FixedCache):
 
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward). While torch.compile
-    traces, one operator of the graph where the call allows it (compiled.py), else the eager call (one graph break)."""
+    traces, one operator of the graph where the call allows it (compiled.py), else the eager call (one graph break).
+    A recurrent layer (the registry's `streaming_recurrent`) streams through its state (recurrent.py)."""
+    if recurrent.recurrent_mixer(layer) is not None:
+        return _recurrent_eager_forward(forward, layer, *args, **kwargs)
     if torch.compiler.is_compiling():
         from . import compiled
 
@@ -544,8 +537,9 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     return _eager_forward(forward, layer, *args, **kwargs)
 
 
-def prepared_call(forward, layer, args, kwargs):
-    """(the `StreamedCall` of this call, its hidden states), after the checks of a streamed call."""
+def _bound_arguments(forward, layer, args, kwargs):
+    """(the call's arguments by name, without the layer and the cache; the cache argument's name; the cache given),
+    after refusing an empty batch."""
     signature = inspect.signature(forward)
     bound = signature.bind(layer, *args, **kwargs)
     arguments = dict(bound.arguments)
@@ -559,7 +553,13 @@ def prepared_call(forward, layer, args, kwargs):
         )
     cache_name = "cache" if "cache" in signature.parameters else "past_key_values"
     given = [arguments.pop(name, None) for name in ("cache", "past_key_values")]
-    given = next((c for c in given if c is not None), None)
+    return arguments, cache_name, next((c for c in given if c is not None), None)
+
+
+def prepared_call(forward, layer, args, kwargs):
+    """(the `StreamedCall` of this call, its hidden states), after the checks of a streamed call."""
+    arguments, cache_name, given = _bound_arguments(forward, layer, args, kwargs)
+    hidden_states = arguments["hidden_states"]
     check_cache_is_empty(layer, given)
     collector = router.model_collector()
     check_captured_outputs(layer, collector)
@@ -574,6 +574,14 @@ def skip_and_record_projections(streamed, layer):
     streamed.recorded_projections = RecordedProjections(
         recordable_projections(layer.self_attn, skipped=streamed.query_projection)
     )
+
+
+@torch.compiler.disable(reason="streaming_backward_chunk: a streamed recurrent layer runs eagerly (recurrent.py)")
+def _recurrent_eager_forward(forward, layer, *args, **kwargs):
+    arguments, cache_name, given = _bound_arguments(forward, layer, args, kwargs)
+    recurrent.check_cache_has_no_state(layer, given)
+    hidden_states = arguments.pop("hidden_states")
+    return recurrent.recurrent_forward(forward, layer, hidden_states, arguments, cache_name)
 
 
 @torch.compiler.disable(reason="streaming_backward_chunk: a streamed layer runs eagerly inside a compiled model")

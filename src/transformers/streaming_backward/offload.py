@@ -33,6 +33,16 @@ class SavedInput:
         return self.storage.load(self.saved, start, end, self.device)
 
 
+class KeptInput:
+    """A streamed layer's input kept on its device (as checkpointing keeps it), read like `SavedInput`."""
+
+    def __init__(self, x: torch.Tensor):
+        self.saved, self.dtype = x, x.dtype
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        return self.saved[:, start:end]
+
+
 def offload_requested(layer) -> bool:
     """Whether the layer's checkpointing, which streaming replaces, was enabled with offload=True (upstream's
     `activation_checkpointing_enable` tags the function it installs; patch 0013)."""

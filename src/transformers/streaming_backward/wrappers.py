@@ -14,16 +14,17 @@ from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook
 from ..mst_core.wrappers import function_parameters, is_plain_parameter
 
 
-def layer_parameters(layer):
-    """The layer's parameters that require grad if the Function may take them as inputs, else None.
+def layer_parameters(layer, mixer=None):
+    """The layer's parameters that require grad if the Function may take them as inputs, else None. `mixer`: the
+    module that meets the cache (default: the attention, `layer.self_attn`; a recurrent layer's mixer, recurrent.py).
 
     Checked per child module rather than on the layer: transformers installs output-capturing hooks on decoder
     layers and attention modules (output_hidden_states), which only read the outputs.
     """
-    attn = layer.self_attn
+    attn = layer.self_attn if mixer is None else mixer
     if foreign_attention_hooks(attn):
         return None
-    modules = [child for name, child in layer.named_children() if name != "self_attn"] + list(attn.children())
+    modules = [child for child in layer.children() if child is not attn] + list(attn.children())
     params = []
     for module in modules:
         # The router's logits recorder runs per chunk with the collector the streamed layer sets (router.py).

@@ -1,0 +1,264 @@
+"""A recurrent decoder layer (a state-space or linear-attention mixer: Mamba2's) streamed chunk by chunk through its
+state: the adjoint method of adjoint sharding (Xu et al., TMLR, https://openreview.net/forum?id=kQCuMcEneq, §4) at
+chunk granularity, run by the layer's own forward.
+
+Upstream's recurrent layers already run chunked prefill through their cache: the mixer reads the state at the chunk's
+start (`cache.get_conv_state` / `cache.get_recurrent_state`), hands it to its own convolution and scan, and returns
+the end state (`update_conv_state`, which also returns the earlier inputs joined to the chunk's, and
+`update_recurrent_state`). `StateSeam` is a cache of ours at that seam, for one chunk.
+
+Forward (no graph): chunk by chunk, each chunk's layer forward from the previous chunk's end states; only the layer
+input and each chunk's start states are kept (`[B, conv_dim, kernel]` and the scan's state, e.g. `[B, H, P, N]`: small
+next to the input's `[B, S, d]`). Backward, from the last chunk: chunk i is recomputed once with graph from its start
+states as leaves, and one `autograd.grad` takes its output's gradient and the gradients arriving at its end states (from
+chunk i + 1) to the layer input's rows, the parameters and the start states, whose gradients go on to chunk i - 1. The
+recurrence is linear in its state, so this is exact: each token goes through the layer twice a step, as under
+checkpointing, and the backward holds one chunk's activations.
+
+Where a wrapper may swap the weights (ZeRO-3, FSDP1, accelerate hooks: wrappers.py), each chunk is an ordinary
+checkpoint instead, its start states among its inputs: autograd delivers every gradient the wrapper expects.
+"""
+
+import contextlib
+
+import torch
+
+from ..mst_core.chunks import one_streamed_chunk, policy_device_type
+from ..mst_core.fields import STREAMING_FIELD
+from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
+from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
+from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
+from .config import streaming_chunk_size
+from .offload import KeptInput, SavedInput, input_storage
+from .wrappers import layer_parameters
+
+
+class StateSeam:
+    """The cache a recurrent layer's own forward meets on one chunk: the states at the chunk's start (None at the
+    sequence's start), and the end states the layer hands back (`end_states`)."""
+
+    def __init__(self, conv_state=None, recurrent_state=None):
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+        self.conv_end = self.recurrent_end = None
+        self.met = False  # whether the layer read its state here (else it is not a layer this seam streams)
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        self.met = True
+        return self.conv_state
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        self.met = True
+        return self.recurrent_state
+
+    def is_recording_past(self, layer_idx):
+        # True: a one-token chunk then joins its input to the conv state through `update_conv_state`, as longer
+        # chunks do, instead of the decode kernel that updates the conv state in place.
+        return True
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        """The chunk's conv inputs [B, C, T] joined after the start state's, as upstream's cache returns them (a
+        sequence's first chunk shorter than the kernel padded with zeros on the left); the last `conv_kernel_size`
+        columns are the end state."""
+        joined = conv_states if self.conv_state is None else torch.cat([self.conv_state, conv_states], dim=-1)
+        if joined.shape[-1] < conv_kernel_size:
+            joined = torch.nn.functional.pad(joined, (conv_kernel_size - joined.shape[-1], 0))
+        self.conv_end = joined[..., -conv_kernel_size:]
+        return joined
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        self.recurrent_end = recurrent_states
+        return recurrent_states
+
+    def end_states(self):
+        """(conv state, recurrent state) at the chunk's end, as the next chunk starts from them."""
+        return self.conv_end, self.recurrent_end
+
+
+def _slice_rows(value, start, end, seq_len):
+    """`value` cut to rows [start, end) along dim 1 where dim 1 is the sequence (a [B, S] padding mask)."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
+        return value[:, start:end]
+    return value
+
+
+class RecurrentCall:
+    """One call of a recurrent decoder layer, split into chunks of tokens."""
+
+    def __init__(self, forward, layer, arguments, cache_name, hidden_states):
+        self.forward, self.layer, self.cache_name, self.arguments = forward, layer, cache_name, arguments
+        self.batch, self.seq_len = hidden_states.shape[:2]
+        config = layer.config
+        chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
+                                     policy_device_type(hidden_states))
+        # No one-token chunk after the first: with a state, the mixer takes its one-token decode step, which updates
+        # the state in place after reading it for the output (Mamba2's `mamba2_selective_state_update`), so autograd
+        # cannot backpropagate it. Chunks of 1 are taken as 2, a last chunk of 1 joins the one before.
+        chunk = max(chunk, 2)
+        self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
+        if len(self.chunks) > 1 and self.chunks[-1][1] - self.chunks[-1][0] == 1:
+            self.chunks[-2:] = [(self.chunks[-2][0], self.seq_len)]
+
+    def call(self, x_chunk, index, seam):
+        """The layer's own forward on chunk `index`, its mixer meeting `seam`: the chunk's output."""
+        start, end = self.chunks[index]
+        kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
+        kwargs[self.cache_name] = seam
+        with one_streamed_chunk():
+            out = self.forward(self.layer, x_chunk, **kwargs)
+        if not seam.met:
+            raise ValueError(
+                f"{STREAMING_FIELD}: {type(self.layer).__name__} cannot be streamed: its mixer never read its state "
+                "from the cache (`get_conv_state` / `get_recurrent_state`). Unset the field for this model."
+            )
+        return out[0] if isinstance(out, tuple) else out
+
+
+class StreamedRecurrentFunction(torch.autograd.Function):
+    """Inputs: x [B, S, d], the `RecurrentCall`, whether to keep x in host memory (offload.py: a storage, or None),
+    the layer's parameters that require grad (plain leaf parameters: wrappers.py). Saves x and each chunk's start
+    states."""
+
+    @staticmethod
+    def forward(ctx, x, call, storage, *params):
+        ctx.call, ctx.params = call, params
+        if storage is not None:
+            ctx.saved_input = SavedInput(x, storage)
+        else:
+            ctx.save_for_backward(x)
+            ctx.saved_input = None
+        ctx.autocast_state = capture_autocast_state(x.device.type)
+        ctx.rng, ctx.starts = [], [(None, None)]
+        out = None
+        for index, (start, end) in enumerate(call.chunks):
+            ctx.rng.append(capture_rng_state(x.device))  # dropout draws the same masks when the chunk is recomputed
+            seam = StateSeam(*ctx.starts[-1])
+            chunk_out = call.call(x[:, start:end], index, seam)
+            if out is None:
+                out = chunk_out.new_empty(x.shape[:2] + chunk_out.shape[2:])
+            out[:, start:end].copy_(chunk_out)
+            # copies: the conv state is a view of the chunk's joined inputs
+            ctx.starts.append(tuple(None if s is None else s.clone() for s in seam.end_states()))
+            del chunk_out, seam
+        ctx.starts.pop()  # the last chunk's end state: nothing reads it
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        refuse_create_graph("streaming backward", STREAMING_FIELD)
+        x = ctx.saved_input if ctx.saved_input is not None else KeptInput(ctx.saved_tensors[0])
+        call, params = ctx.call, ctx.params
+        needs_x = ctx.needs_input_grad[0]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
+        acc = [None] * len(wanted)
+        # a decoder layer's output has its input's shape
+        grad_x = torch.empty_like(grad_out, dtype=x.dtype) if needs_x else None
+        end_grads = (None, None)  # the gradients arriving at the current chunk's end states
+        checked = False
+        # Each parameter gradient is added into `acc` as autograd computes it (mst_core/grads.py).
+        with restore_autocast_state(ctx.autocast_state), summed_as_computed(acc, wanted):
+            for index in reversed(range(len(call.chunks))):
+                start, end = call.chunks[index]
+                leaves = [None if s is None else s.detach().requires_grad_() for s in ctx.starts[index]]
+                ctx.starts[index] = None  # read once
+                linear_sums = linear_weight_grads_summed(acc, wanted, grad_out)
+                with restore_rng_state(ctx.rng[index], grad_out.device), torch.enable_grad():
+                    x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
+                    seam = StateSeam(*leaves)
+                    with linear_sums or contextlib.nullcontext():
+                        out = call.call(x_chunk, index, seam)
+                    outputs, seeds = [out], [grad_out[:, start:end]]
+                    for state, grad in zip(seam.end_states(), end_grads):
+                        if grad is not None:
+                            outputs.append(state)
+                            seeds.append(grad)
+                    state_leaves = [leaf for leaf in leaves if leaf is not None]
+                    inputs = [*([x_chunk] if needs_x else []), *state_leaves, *wanted]
+                    if not checked:
+                        for tensor in outputs:
+                            check_graph_inputs(tensor, [x_chunk, *state_leaves, *params], "streaming backward")
+                        checked = True
+                    grads = list(torch.autograd.grad(outputs, inputs, seeds, allow_unused=True))
+                    del outputs, seeds, out, seam
+                if needs_x:
+                    part = grads.pop(0)
+                    if part is None:
+                        raise RuntimeError(
+                            f"streaming backward: {type(call.layer).__name__}'s input rows {start}:{end} got no "
+                            "gradient from the recomputation; refusing to return a missing gradient."
+                        )
+                    grad_x[:, start:end].copy_(part)
+                state_grads = iter(grads[: len(state_leaves)])
+                end_grads = tuple(None if leaf is None else next(state_grads) for leaf in leaves)
+                del grads
+        for total, param in zip(acc, wanted):
+            if total is None:
+                raise RuntimeError(
+                    f"streaming backward: a parameter of shape {tuple(param.shape)} that requires grad got no gradient "
+                    f"from {type(call.layer).__name__}'s recomputation; refusing to return a missing gradient."
+                )
+        param_grads = iter(total.to(p.dtype) for total, p in zip(acc, wanted))
+        return (grad_x, None, None, *[next(param_grads) if need else None for need in ctx.needs_input_grad[3:]])
+
+
+def _forward_with_checkpoints(call, x):
+    """Autograd fallback where a wrapper may swap the layer's weights: each chunk an ordinary (non-reentrant)
+    checkpoint from its start states, which are among its inputs."""
+    from torch.utils.checkpoint import checkpoint
+
+    def chunk(x_chunk, conv_state, recurrent_state, index):
+        seam = StateSeam(conv_state, recurrent_state)
+        return call.call(x_chunk, index, seam), *seam.end_states()
+
+    outs, states = [], (None, None)
+    for index, (start, end) in enumerate(call.chunks):
+        out, *states = checkpoint(chunk, x[:, start:end], *states, index, use_reentrant=False)
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+def recurrent_forward(forward, layer, hidden_states, arguments, cache_name):
+    """The streamed training forward of a recurrent decoder layer (layer.py's `decoder_layer_forward` sends it here)."""
+    call = RecurrentCall(forward, layer, arguments, cache_name, hidden_states)
+    params = layer_parameters(layer, mixer=recurrent_mixer(layer))
+    storage = input_storage(layer)
+    if params is None:
+        if storage is None:
+            return _forward_with_checkpoints(call, hidden_states)
+        on_accelerator = hidden_states.device.type != "cpu"
+        with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
+            return _forward_with_checkpoints(call, hidden_states)
+    if not (hidden_states.requires_grad or params):
+        with torch.no_grad():
+            return StreamedRecurrentFunction.forward(_NoContext(), hidden_states, call, None)
+    return StreamedRecurrentFunction.apply(hidden_states, call, storage, *params)
+
+
+def check_cache_has_no_state(layer, cache) -> None:
+    """A streamed recurrent layer neither reads nor fills the cache (as checks.py's `check_cache_is_empty` for
+    attention): a training forward with `use_cache=True` returns the model's empty cache; a state carried in from an
+    earlier call would be silently not continued: refused."""
+    layer_idx = getattr(recurrent_mixer(layer), "layer_idx", None)
+    if cache is None or layer_idx is None:
+        return
+    if cache.get_conv_state(layer_idx) is not None or cache.get_recurrent_state(layer_idx) is not None:
+        raise ValueError(
+            f"{STREAMING_FIELD}: the cache passed (`cache`) holds layer {layer_idx}'s state from an earlier call, "
+            "which a streamed layer cannot continue from (streamed training forwards neither read nor fill a cache). "
+            "Train without a cache, or unset the field."
+        )
+
+
+def recurrent_mixer(layer):
+    """The recurrent mixer module of `layer` (the registry's `streaming_recurrent` attribute), or None."""
+    from ..mst_core.families import FAMILIES
+
+    family = FAMILIES.get(getattr(getattr(layer, "config", None), "model_type", None))
+    name = getattr(family, "streaming_recurrent", None)
+    return None if name is None else getattr(layer, name, None)
+
+
+class _NoContext:
+    """Stands in for autograd's context where nothing is kept (a frozen layer input, no parameter training)."""
+
+    def save_for_backward(self, *tensors):
+        pass
