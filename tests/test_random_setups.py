@@ -1,5 +1,5 @@
 """Exactness on randomly drawn setups: the parametrized tests fix one shape per question; here each trial draws a
-family (every tiny text family of the registry, and the state-space ones), a method (mini-sequences, with
+family (every tiny text family of the registry, the state-space ones and Mamba2), a method (mini-sequences, with
 checkpointing or not; streaming and both, where the family streams; adjoint sharding, where it applies), chunk sizes
 from 1 to longer than the sequence, a sequence length, a batch of 1-3 rows with left or right padding, ignored labels
 (none to all), one or two micro-batches accumulated with `num_items_in_batch`, sdpa or eager attention and, for MoE
@@ -23,7 +23,7 @@ import pytest
 import torch
 from test_new_families import FP32_NOISE, FP64_CHECKED, ILL_CONDITIONED_RTOL, RTOL
 from test_streaming_families import EAGER_ONLY
-from tiny_models import FAMILIES, NEW_FAMILIES, REGISTRY, SSM_FAMILIES, make_config, make_model
+from tiny_models import FAMILIES, NEW_FAMILIES, RECURRENT_FAMILIES, REGISTRY, SSM_FAMILIES, make_config, make_model
 from transformers.mst_core.families import streaming_model_types
 
 TRIALS = int(os.environ.get("MST_RANDOM_TRIALS", "100"))
@@ -36,7 +36,7 @@ CHUNKS = ["auto", 1, 2, 3, 5, 7, 16, 31, 64, 200]
 def draw(trial):
     """(description, family, fields, checkpointing, model kwargs, step kwargs, micro-batches) of trial `trial`."""
     rng = random.Random(SEED * 100_003 + trial)
-    family = rng.choice(TEXT + sorted(SSM_FAMILIES))
+    family = rng.choice(TEXT + sorted(SSM_FAMILIES) + sorted(RECURRENT_FAMILIES))
     if family in SSM_FAMILIES:
         method = rng.choice(["mini_sequence", "adjoint", "adjoint+mini_sequence"])
     else:
@@ -51,7 +51,7 @@ def draw(trial):
         fields["adjoint_sharding_chunk"] = rng.choice(CHUNKS)
     checkpointing = rng.random() < 0.5
     kwargs = {}
-    if family not in SSM_FAMILIES:
+    if family not in SSM_FAMILIES and family not in RECURRENT_FAMILIES:
         kwargs["attn_implementation"] = "eager" if family in EAGER_ONLY or rng.random() < 0.3 else "sdpa"
     step_kwargs = {}
     if REGISTRY[family].mini_sequence == "moe" and rng.random() < 0.5:
