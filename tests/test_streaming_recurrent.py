@@ -176,3 +176,14 @@ def test_offloaded_input_read_back_by_chunks(family, streamed_calls):
     assert storage.saved == [tuple(ids.shape) + (model.config.hidden_size,)] * layers
     chunks = [(start, min(start + 7, SEQ)) for start in range(0, SEQ, 7)]
     assert storage.loads == list(reversed(chunks)) * layers  # each chunk's rows once, from the last
+
+
+@pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
+def test_only_the_decoder_layers_stream(family):
+    """`applies` (asked by GradientCheckpointingLayer, and by the planner for every module) is true for a training
+    recurrent layer only: not for the model around it, which carries the same config."""
+    from transformers.streaming_backward import applies
+
+    model = make_model(family, streaming_backward_chunk=7).train()
+    assert [applies(module) for module in model.modules()].count(True) == model.config.num_hidden_layers
+    assert not any(applies(module) for module in model.eval().modules())

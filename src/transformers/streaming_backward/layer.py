@@ -88,7 +88,9 @@ def applies(layer) -> bool:
     not one the registry excepts (`streaming_unless`: Gemma-4's K/V shared across layers).
     A layer of another family (the field set on it by `from_pretrained` or a config.json) is not streamed: the
     model warned at construction that the field is ignored (mst_core/model_checks.py)."""
-    config = getattr(getattr(layer, "self_attn", None), "config", None) or getattr(layer, "config", None)
+    config = getattr(getattr(layer, "self_attn", None), "config", None)
+    if config is None and recurrent.recurrent_mixer(layer) is not None:  # a recurrent layer (Mamba2Block)
+        config = layer.config
     if getattr(config, STREAMING_FIELD, None) is None or not (layer.training and torch.is_grad_enabled()):
         return False
     return getattr(config, "model_type", None) in STREAMING_MODEL_TYPES and streaming_refusal(config) is None
