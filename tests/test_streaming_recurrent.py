@@ -124,12 +124,8 @@ def test_a_planted_error_in_the_carried_state_fails(family, monkeypatch):
 def test_a_cache_holding_a_state_is_refused(family):
     model = make_model(family, streaming_backward_chunk=7).train()
     ids, _, _ = _batch()
-    with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).cache_params if hasattr(model(input_ids=ids[:, :3], use_cache=True),
-                                                                            "cache_params") else None
-    if cache is None:
-        cache = model.eval()(input_ids=ids, use_cache=True).past_key_values
-    model.train()
+    with torch.no_grad():  # a forward without gradients fills the cache, as upstream's
+        cache = model(input_ids=ids, use_cache=True).past_key_values
     with pytest.raises(ValueError, match="holds layer 0's state from an earlier call"):
         model(input_ids=ids, cache=cache, use_cache=True)
 

@@ -74,7 +74,7 @@ from .masks import (
 )
 from .offload import KeptInput, SavedInput, input_storage
 from .projections import RecordedProjections, recordable_projections
-from .rows import RowBlocks, row_blocks
+from .rows import RowBlocks, row_blocks, slice_rows
 from .wrappers import layer_parameters
 from .zero3_leaves import leaf_gradients_queued_once
 
@@ -100,15 +100,6 @@ def applies(layer) -> bool:
 # that read them (none does where layers stream: mst_core/families.py `streaming_unless`) and for its assistant models'
 # generation. A stored chunk would keep its K/V, in the backward with their graph, until the step ends.
 _FRESH_PER_CHUNK = ("shared_kv_states",)
-
-
-def _slice_rows(value, start, end, seq_len):
-    """`value` (a tensor or tuple of tensors) cut to rows [start, end) along dim 1 where dim 1 is the sequence."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(_slice_rows(v, start, end, seq_len) for v in value)
-    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
-        return value[:, start:end]
-    return value
 
 
 class StreamedCall:
@@ -184,7 +175,7 @@ class StreamedCall:
         logits) (router.py); None where the layer stopped at the cache."""
         start, end = self.chunks[index]
         kv_start, kv_end = self.key_ranges[index]
-        kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
+        kwargs = {name: slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
         kwargs.update(rows or {})
         kwargs.update({name: type(kwargs[name])() for name in _FRESH_PER_CHUNK if kwargs.get(name) is not None})
         if cache.stop:  # the layer stops at the cache: no mask needed

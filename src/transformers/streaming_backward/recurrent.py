@@ -24,12 +24,14 @@ import contextlib
 import torch
 
 from ..mst_core.chunks import one_streamed_chunk, policy_device_type
+from ..mst_core.families import FAMILIES
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
 from .config import streaming_chunk_size
 from .offload import KeptInput, SavedInput, input_storage
+from .rows import slice_rows
 from .wrappers import layer_parameters
 
 
@@ -74,13 +76,6 @@ class StateSeam:
         return self.conv_end, self.recurrent_end
 
 
-def _slice_rows(value, start, end, seq_len):
-    """`value` cut to rows [start, end) along dim 1 where dim 1 is the sequence (a [B, S] padding mask)."""
-    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
-        return value[:, start:end]
-    return value
-
-
 class RecurrentCall:
     """One call of a recurrent decoder layer, split into chunks of tokens."""
 
@@ -101,7 +96,7 @@ class RecurrentCall:
     def call(self, x_chunk, index, seam):
         """The layer's own forward on chunk `index`, its mixer meeting `seam`: the chunk's output."""
         start, end = self.chunks[index]
-        kwargs = {name: _slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
+        kwargs = {name: slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
         kwargs[self.cache_name] = seam
         with one_streamed_chunk():
             out = self.forward(self.layer, x_chunk, **kwargs)
@@ -227,9 +222,7 @@ def recurrent_forward(forward, layer, hidden_states, arguments, cache_name):
         on_accelerator = hidden_states.device.type != "cpu"
         with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
             return _forward_with_checkpoints(call, hidden_states)
-    if not (hidden_states.requires_grad or params):
-        with torch.no_grad():
-            return StreamedRecurrentFunction.forward(_NoContext(), hidden_states, call, None)
+    # Nothing requiring grad (a frozen layer): autograd records no node, and the context's states go with the call.
     return StreamedRecurrentFunction.apply(hidden_states, call, storage, *params)
 
 
@@ -250,15 +243,6 @@ def check_cache_has_no_state(layer, cache) -> None:
 
 def recurrent_mixer(layer):
     """The recurrent mixer module of `layer` (the registry's `streaming_recurrent` attribute), or None."""
-    from ..mst_core.families import FAMILIES
-
     family = FAMILIES.get(getattr(getattr(layer, "config", None), "model_type", None))
     name = getattr(family, "streaming_recurrent", None)
     return None if name is None else getattr(layer, name, None)
-
-
-class _NoContext:
-    """Stands in for autograd's context where nothing is kept (a frozen layer input, no parameter training)."""
-
-    def save_for_backward(self, *tensors):
-        pass

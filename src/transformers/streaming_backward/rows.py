@@ -67,3 +67,13 @@ class RowBlocks:
     def pop(self, block: int) -> torch.Tensor | None:
         """Block `block`'s sum (None if nothing was added to it), no longer held here."""
         return self.parts.pop(block, None)
+
+
+def slice_rows(value, start, end, seq_len):
+    """`value` (a tensor or tuple of tensors) cut to rows [start, end) along dim 1 where dim 1 is the sequence: a
+    chunk's part of a call's argument (a [B, S] mask, position ids; streamed and recurrent layers alike)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(slice_rows(v, start, end, seq_len) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
+        return value[:, start:end]
+    return value
