@@ -1,18 +1,27 @@
 """streaming_backward_chunk on recurrent layers (streaming_backward/recurrent.py): each chunk the layer's own forward
 from the state at its start, the backward from the last chunk carrying the states' gradients. Held to upstream's
 unsplit fp32 step (the flag unset) with uneven chunks, batch 2, left padding, ignored labels, gradient accumulation,
-and a wrapper's hooks."""
+and a wrapper's hooks. Hybrids (Qwen3.5, Qwen3-Next: Gated DeltaNet layers beside attention ones) stream both kinds of
+layer in one step."""
+
+import functools
 
 import pytest
 import torch
-from tiny_models import RECURRENT_FAMILIES, make_model
+from test_streaming import flash_reference  # noqa: F401  (a pytest fixture)
+from tiny_models import MOE_FAMILIES, RECURRENT_FAMILIES, REGISTRY, fp64_throughout, make_model
 
 from transformers.mst_core.memory import LiveTensorTracker
 from transformers.streaming_backward import config as streaming_config
+from transformers.streaming_backward import layer as streamed_layer
 from transformers.streaming_backward import recurrent
 
 SEQ = 45
 RTOL = 1e-5  # fp32: the same arithmetic in another order (the scan's blocks start at each chunk's start)
+# Where fp32 rounding alone moves a gradient by more than RTOL (Gated DeltaNet's decay parameters `A_log`, `dt_bias`:
+# a sum over every position of terms that nearly cancel; upstream's own fp32 step is 3e-5..6e-5 from its fp64 one),
+# the same two steps are run again in fp64 throughout and held to this.
+RTOL_FP64 = 1e-9
 
 
 def _batch(seed=1, seq=SEQ, vocab=128):
@@ -25,9 +34,14 @@ def _batch(seed=1, seq=SEQ, vocab=128):
     return ids, mask, labels
 
 
-def _step(family, chunk, batches, hooks=False, **fields):
-    """Loss per micro-batch and every parameter's gradient, accumulated over `batches`."""
-    model = make_model(family, streaming_backward_chunk=chunk, **fields).train()
+def _step(family, chunk, batches, hooks=False, dtype=torch.float32, prepare=None, **fields):
+    """Loss per micro-batch and every parameter's gradient, accumulated over `batches`; `prepare(model)` runs on the
+    model first (the flash_attention_2 stand-in)."""
+    if dtype == torch.float64 and family in MOE_FAMILIES:
+        fields["experts_implementation"] = "eager"  # grouped_mm has no fp64 kernel
+    model = make_model(family, streaming_backward_chunk=chunk, **fields).to(dtype).train()
+    if prepare is not None:
+        model = prepare(model)
     if hooks:  # as ZeRO-3 / accelerate put them: the layers take the checkpointed fallback
         for module in model.modules():
             module.register_forward_pre_hook(lambda module, args: None)
@@ -39,13 +53,43 @@ def _step(family, chunk, batches, hooks=False, **fields):
     return torch.stack(losses), {name: p.grad for name, p in model.named_parameters()}
 
 
-def _assert_close(got, want):
+def _relative(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _assert_close(got, want, in_fp64=None):
+    """`got` (a streamed step) against `want` (upstream's unsplit fp32 step). `in_fp64`: a function giving the same
+    two steps in fp64 throughout, for the gradients fp32 rounding alone moves by more than RTOL (RTOL_FP64)."""
     (got_losses, got_grads), (want_losses, want_grads) = got, want
     torch.testing.assert_close(got_losses, want_losses, rtol=RTOL, atol=0)
     for name, grad in want_grads.items():
         assert got_grads[name] is not None, f"{name} got no gradient"
-        error = ((got_grads[name] - grad).norm() / grad.norm()).item()
+        error = _relative(got_grads[name], grad)
+        if error > RTOL and in_fp64 is not None:
+            (_, got64), (_, want64) = in_fp64()
+            error = _relative(got64[name], want64[name])
+            assert error <= RTOL_FP64, (name, "fp64", error)
+            continue
         assert error <= RTOL, (name, error)
+
+
+def _assert_exact(got, family, chunk, batches, want=None, prepare=None, **fields):
+    """`got` (the streamed step with `chunk` and `fields`) against upstream's unsplit step on `batches` (`want` if
+    computed already); where fp32 rounding alone moves a gradient by more than RTOL, both steps again in fp64.
+    `prepare`: as `_step`'s, for both steps."""
+    want = want or _step(family, None, batches, prepare=prepare)
+
+    @functools.cache
+    def in_fp64():
+        with fp64_throughout(family):
+            return (_step(family, chunk, batches, dtype=torch.float64, prepare=prepare, **fields),
+                    _step(family, None, batches, dtype=torch.float64, prepare=prepare))
+
+    _assert_close(got, want, in_fp64)
+
+
+def _recurrent_layers(model):
+    return sum(recurrent.recurrent_mixer(layer) is not None for layer in model.modules())
 
 
 @pytest.fixture
@@ -67,7 +111,7 @@ def streamed_calls(monkeypatch):
 def test_exact_against_the_unsplit_step(family, chunk, streamed_calls, monkeypatch):
     monkeypatch.setattr(streaming_config, "MIN_AUTO_CHUNK", 16)  # "auto" = max(hidden_size 32, 16): it streams
     batches = [_batch()]
-    _assert_close(_step(family, chunk, batches), _step(family, None, batches))
+    _assert_exact(_step(family, chunk, batches), family, chunk, batches)
     assert streamed_calls, "the streamed Function did not run"
     chunks = streamed_calls[0]
     assert chunks[0][0] == 0 and chunks[-1][1] == SEQ and all(b - a >= 2 for a, b in chunks)
@@ -81,7 +125,8 @@ def test_exact_against_the_unsplit_step(family, chunk, streamed_calls, monkeypat
 def test_with_mini_sequences(family, streaming, streamed_calls):
     """mini_sequence_chunk (the LM head + loss by chunks of 16), alone and with streamed layers."""
     batches = [_batch()]
-    _assert_close(_step(family, streaming, batches, mini_sequence_chunk=16), _step(family, None, batches))
+    _assert_exact(_step(family, streaming, batches, mini_sequence_chunk=16), family, streaming, batches,
+                  mini_sequence_chunk=16)
     assert bool(streamed_calls) == (streaming is not None)
 
 
@@ -89,11 +134,13 @@ def test_with_mini_sequences(family, streaming, streamed_calls):
 def test_gradient_accumulation_and_hooks(family, streamed_calls):
     batches = [_batch(1), _batch(2, seq=30)]
     want = _step(family, None, batches)
-    _assert_close(_step(family, 7, batches), want)
-    assert len(streamed_calls) == 4  # 2 layers x 2 micro-batches
+    got = _step(family, 7, batches)
+    assert len(streamed_calls) == 2 * _recurrent_layers(make_model(family))  # each recurrent layer, 2 micro-batches
+    _assert_exact(got, family, 7, batches, want)
     streamed_calls.clear()
-    _assert_close(_step(family, 7, batches, hooks=True), want)
+    got = _step(family, 7, batches, hooks=True)
     assert not streamed_calls  # the checkpointed fallback ran
+    _assert_exact(got, family, 7, batches, want, hooks=True)
 
 
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
@@ -107,7 +154,7 @@ def test_a_planted_error_in_the_carried_state_fails(family, monkeypatch):
                         lambda self, *args, **kwargs: None if (s := get_state(self, *args, **kwargs)) is None
                         else s.detach())
     with pytest.raises(AssertionError):
-        _assert_close(_step(family, 7, batches), want)
+        _assert_exact(_step(family, 7, batches), family, 7, batches, want)
     monkeypatch.undo()
     update_conv = recurrent.StateSeam.update_conv_state
 
@@ -117,7 +164,7 @@ def test_a_planted_error_in_the_carried_state_fails(family, monkeypatch):
 
     monkeypatch.setattr(recurrent.StateSeam, "update_conv_state", conv_from_zeros)
     with pytest.raises(AssertionError):
-        _assert_close(_step(family, 7, batches), want)
+        _assert_exact(_step(family, 7, batches), family, 7, batches, want)
 
 
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
@@ -167,11 +214,14 @@ def test_offloaded_input_read_back_by_chunks(family, streamed_calls):
     loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     loss.backward()
     got = (loss.detach()[None], {name: p.grad for name, p in model.named_parameters()})
-    _assert_close(got, _step(family, None, batches))
+    _assert_exact(got, family, 7, batches)
     layers = model.config.num_hidden_layers
     assert storage.saved == [tuple(ids.shape) + (model.config.hidden_size,)] * layers
     chunks = [(start, min(start + 7, SEQ)) for start in range(0, SEQ, 7)]
-    assert storage.loads == list(reversed(chunks)) * layers  # each chunk's rows once, from the last
+    if _recurrent_layers(model) == layers:
+        assert storage.loads == list(reversed(chunks)) * layers  # each chunk's rows once, from the last
+    else:  # a hybrid: layer 0 (linear attention) goes back last; the attention layer reads its rows as test_streaming's
+        assert storage.loads[-len(chunks):] == list(reversed(chunks))
 
 
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
@@ -183,3 +233,73 @@ def test_only_the_decoder_layers_stream(family):
     model = make_model(family, streaming_backward_chunk=7).train()
     assert [applies(module) for module in model.modules()].count(True) == model.config.num_hidden_layers
     assert not any(applies(module) for module in model.eval().modules())
+
+
+# Hybrids: recurrent layers beside attention layers (Qwen3.5, Qwen3-Next).
+HYBRIDS = sorted(family for family in RECURRENT_FAMILIES if REGISTRY[family].streaming_attention)
+HYBRID_MOE = [family for family in HYBRIDS if family in MOE_FAMILIES]
+
+
+def _streamed_layer_calls(monkeypatch):
+    """Calls of the two streamed Functions: [("recurrent" | "attention", chunks)]."""
+    calls = []
+    for kind, function in (("recurrent", recurrent.StreamedRecurrentFunction),
+                           ("attention", streamed_layer.StreamedLayerFunction)):
+        monkeypatch.setattr(function, "apply",
+                            lambda *args, kind=kind, real=function.apply: calls.append(kind) or real(*args))
+    return calls
+
+
+@pytest.mark.parametrize("family", HYBRID_MOE)
+@pytest.mark.parametrize("variant", ["function", "fallback"])
+def test_hybrid_router_logits_and_aux_loss(family, variant, monkeypatch):
+    """output_router_logits=True (the aux loss, weighted 1.0): every layer's MoE block records its router logits,
+    the linear-attention layer's through the recurrent Function (or, under a wrapper's hooks, its checkpointed
+    chunks), handed over whole with their graph; the loss, the aux loss, the logits and every gradient are
+    upstream's."""
+    batches = [_batch()]
+
+    def step(chunk):
+        model = make_model(family, streaming_backward_chunk=chunk).train()
+        if variant == "fallback" and chunk is not None:
+            for module in model.modules():
+                module.register_forward_pre_hook(lambda module, args: None)
+        ids, mask, labels = batches[0]
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out.loss.backward()
+        return out, {name: p.grad for name, p in model.named_parameters()}
+
+    calls = _streamed_layer_calls(monkeypatch)
+    (out, grads), (ref, ref_grads) = step(7), step(None)
+    assert calls == ([] if variant == "fallback" else ["recurrent", "attention"])
+    assert ref.aux_loss is not None and ref.aux_loss.item() > 0
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=RTOL, atol=0)
+    assert len(out.router_logits) == len(ref.router_logits) == 2
+    for got, want in zip(out.router_logits, ref.router_logits):
+        assert got.shape == want.shape and got.requires_grad
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-6)
+    _assert_exact((out.loss.detach()[None], grads), family, 7, batches, (ref.loss.detach()[None], ref_grads),
+                  hooks=variant == "fallback")
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_with_flash_attention(family, flash_reference, monkeypatch):
+    """flash_attention_2 (the reference kernels' stand-in): the attention layer streams with FlashAttention's
+    padded path, the linear-attention layer through its state; exact."""
+    batches = [_batch()]
+    calls = _streamed_layer_calls(monkeypatch)
+    got = _step(family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
+    assert calls == ["recurrent", "attention"] and "reference_flash_varlen" in flash_reference.calls
+    _assert_exact(got, family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_packed_sequences_are_refused(family):
+    """Packed sequences' boundaries (`cu_seq_lens_q`, which Gated DeltaNet hands its scan) are the whole sequence's:
+    refused at the streamed layer, naming the argument, rather than given to each chunk."""
+    model = make_model(family, streaming_backward_chunk=7).train()
+    ids, _, labels = _batch()
+    ids, labels = ids[:1], labels[:1]
+    cu = torch.tensor([0, 20, SEQ], dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed sequences \\(`cu_seq_lens_q`\\)"):
+        model(input_ids=ids, labels=labels, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=25, max_length_k=25)

@@ -50,10 +50,10 @@ RECURRENT_FAMILIES = _entries(tuple(t for t, family in REGISTRY.items() if famil
 def _entry(family):
     if family in SSM_FAMILIES:
         return SSM_COMMON, SSM_FAMILIES[family]
+    if family in NEW_FAMILIES:  # before the recurrent ones: hybrids (Qwen3-Next) have attention models' sizes
+        return COMMON, NEW_FAMILIES[family]
     if family in RECURRENT_FAMILIES:
         return SSM_COMMON, RECURRENT_FAMILIES[family]
-    if family in NEW_FAMILIES:
-        return COMMON, NEW_FAMILIES[family]
     return COMMON, FAMILIES[family]
 
 
@@ -71,3 +71,39 @@ def make_model(family, seed=0, **overrides):
     _, (_, model_name, _) = _entry(family)
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(make_config(family, **overrides))
+
+
+# Families whose layers compute parts in fp32 whatever the model's dtype (`torch.float32`, `.float()` in Gated DeltaNet's
+# scan and decay, the norms, the loss): an fp64 step of them is an fp64 step only under `fp64_throughout`.
+FP32_INSIDE = tuple(t for t, family in REGISTRY.items() if family.streaming_recurrent == "linear_attn")
+
+
+def fp64_throughout(family):
+    """A context in which `family`'s modeling module and our chunked loss compute in fp64 where they would cast to
+    fp32 (`torch.float32` in the module, `Tensor.float()`), so that an fp64 step rounds nowhere at fp32's
+    precision: the reference that tells fp32 rounding from an inexact method where the two are close."""
+    import contextlib
+    import sys
+    import types
+
+    import pytest
+    import torch
+    import transformers
+    from transformers.mini_sequence import loss as mini_sequence_loss
+
+    modules = [sys.modules[getattr(transformers, REGISTRY[family].model_class).__module__], mini_sequence_loss]
+
+    class Float64Torch(types.ModuleType):
+        def __getattr__(self, name):
+            return torch.float64 if name == "float32" else getattr(torch, name)
+
+    @contextlib.contextmanager
+    def context():
+        with pytest.MonkeyPatch.context() as patch:
+            for module in modules:
+                patch.setattr(module, "torch", Float64Torch("torch"))
+            patch.setattr(torch.Tensor, "float",
+                          lambda self: self.to(torch.float64 if self.is_floating_point() else torch.float32))
+            yield
+
+    return context()

@@ -160,23 +160,20 @@ FAMILIES = {
                             "router_aux_loss_coef": 1.0}),
     # Qwen3.5's text stack (`Qwen3_5ForCausalLM`, also what AutoModelForCausalLM builds from a `qwen3_5` checkpoint):
     # Gated DeltaNet linear-attention layers and full-attention ones (3 to 1 in the released configs), a dense MLP.
-    # Not streamed: a linear-attention layer carries a recurrent state along the sequence, not K/V a query chunk can
-    # read. Tiny: one layer of each kind.
-    "qwen3_5_text": Family("Qwen3.5 text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "mlp",
-                           no_streaming="ignored (warned): linear-attention layers",
-                           tiny=_TINY_LINEAR),
+    # Streamed: the full-attention layers by query chunks, the linear-attention layers (`linear_attn`) through their
+    # conv and recurrent states (streaming_backward/recurrent.py). Tiny: one layer of each kind.
+    "qwen3_5_text": Family("Qwen3.5 text", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "mlp", _ATTENTION,
+                           streaming_recurrent="linear_attn", tiny=_TINY_LINEAR),
     # Qwen3-Next (`qwen3_next`): Qwen3.5-MoE's forerunner, the same Gated DeltaNet and gated full-attention layers (3 to
-    # 1) with a MoE block (routed experts and a gated shared expert) in every layer. Not streamed, as Qwen3.5 text.
+    # 1) with a MoE block (routed experts and a gated shared expert) in every layer. Streamed as Qwen3.5 text.
     # Tiny: `_TINY_LINEAR_MOE`, as Qwen3.5-MoE text's.
-    "qwen3_next": Family("Qwen3-Next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "moe",
-                         no_streaming="ignored (warned): linear-attention layers",
-                         tiny=_TINY_LINEAR_MOE),
+    "qwen3_next": Family("Qwen3-Next", "Qwen3NextConfig", "Qwen3NextForCausalLM", "moe", _ATTENTION,
+                         streaming_recurrent="linear_attn", tiny=_TINY_LINEAR_MOE),
     # Qwen3.5-MoE's text stack (`Qwen3_5MoeForCausalLM`, also what AutoModelForCausalLM builds from a `qwen3_5_moe`
-    # checkpoint): Qwen3.5's layers with a MoE block (routed experts and a gated shared expert) in every layer. Not
-    # streamed, as Qwen3.5 text. Tiny: one layer of each kind, 4 experts, top-2, the aux loss weighted 1.0.
-    "qwen3_5_moe_text": Family("Qwen3.5-MoE text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "moe",
-                               no_streaming="ignored (warned): linear-attention layers",
-                               tiny=_TINY_LINEAR_MOE),
+    # checkpoint): Qwen3.5's layers with a MoE block (routed experts and a gated shared expert) in every layer.
+    # Streamed as Qwen3.5 text. Tiny: one layer of each kind, 4 experts, top-2, the aux loss weighted 1.0.
+    "qwen3_5_moe_text": Family("Qwen3.5-MoE text", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "moe", _ATTENTION,
+                               streaming_recurrent="linear_attn", tiny=_TINY_LINEAR_MOE),
     "gemma3": Family("Gemma-3 multimodal", "Gemma3Config", "Gemma3ForConditionalGeneration", "text_config",
                      no_streaming="on `text_config`: the text layers, as Gemma-3 text (images included)"),
     # What AutoModelForCausalLM builds from a `gemma4` checkpoint. Its head caps the logits by the text config's
@@ -327,8 +324,9 @@ _MINI_SEQUENCE_CELLS = {
 
 def _cells(family: Family) -> tuple:
     streaming = f"yes: {', '.join(family.streaming_attention)}" if family.streaming_attention else family.no_streaming
-    if family.streaming_recurrent:
-        streaming = "yes: through the recurrent state"
+    if family.streaming_recurrent:  # a hybrid's attention layers by query chunks, its recurrent ones through their state
+        streaming = (f"{streaming}; recurrent layers through their state" if family.streaming_attention
+                     else "yes: through the recurrent state")
     if family.streaming_unless is not None:
         attribute, what = family.streaming_unless
         streaming += f"; ignored (warned) with {what} (`{attribute}` non-zero)"

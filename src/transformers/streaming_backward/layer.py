@@ -89,8 +89,8 @@ def applies(layer) -> bool:
     A layer of another family (the field set on it by `from_pretrained` or a config.json) is not streamed: the
     model warned at construction that the field is ignored (mst_core/model_checks.py)."""
     config = getattr(getattr(layer, "self_attn", None), "config", None)
-    if config is None and recurrent.recurrent_mixer(layer) is not None:  # a recurrent layer (Mamba2Block)
-        config = layer.config
+    if config is None and recurrent.recurrent_mixer(layer) is not None:  # a recurrent layer (Mamba2Block, linear_attn)
+        config = recurrent.layer_config(layer)
     if getattr(config, STREAMING_FIELD, None) is None or not (layer.training and torch.is_grad_enabled()):
         return False
     return getattr(config, "model_type", None) in STREAMING_MODEL_TYPES and streaming_refusal(config) is None

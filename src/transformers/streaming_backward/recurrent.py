@@ -29,10 +29,18 @@ from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
+from .checks import check_captured_outputs
 from .config import streaming_chunk_size
+from ..mst_core.router_logits import positions, token_major
+from . import router
 from .offload import KeptInput, SavedInput, input_storage
 from .rows import slice_rows
 from .wrappers import layer_parameters
+
+
+# A packed batch's sequence boundaries, as a recurrent mixer's kernel reads them (Qwen3-Next's Gated DeltaNet passes
+# `cu_seq_lens_q` to flash-linear-attention's scan as `cu_seqlens`): refused (RecurrentCall).
+PACKED_SEQUENCE_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
 
 class StateSeam:
@@ -79,10 +87,18 @@ class StateSeam:
 class RecurrentCall:
     """One call of a recurrent decoder layer, split into chunks of tokens."""
 
-    def __init__(self, forward, layer, arguments, cache_name, hidden_states):
+    def __init__(self, forward, layer, arguments, cache_name, hidden_states, records_router_logits=False):
         self.forward, self.layer, self.cache_name, self.arguments = forward, layer, cache_name, arguments
+        self.records_router_logits = records_router_logits  # an MoE block's router logits (router.py)
         self.batch, self.seq_len = hidden_states.shape[:2]
-        config = layer.config
+        packed = [name for name in PACKED_SEQUENCE_ARGUMENTS if arguments.get(name) is not None]
+        if packed:
+            raise ValueError(
+                f"{STREAMING_FIELD}: {type(layer).__name__} got packed sequences (`{packed[0]}`), which a streamed "
+                "recurrent layer does not take yet: each chunk's scan would read the whole sequence's boundaries. "
+                "Pad the sequences instead of packing them, or unset the field."
+            )
+        config = layer_config(layer)
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
         # No one-token chunk after the first: with a state, the mixer takes its one-token decode step, which updates
@@ -94,24 +110,27 @@ class RecurrentCall:
             self.chunks[-2:] = [(self.chunks[-2][0], self.seq_len)]
 
     def call(self, x_chunk, index, seam):
-        """The layer's own forward on chunk `index`, its mixer meeting `seam`: the chunk's output."""
+        """The layer's own forward on chunk `index`, its mixer meeting `seam`: (the chunk's output, its router logits
+        [batch * rows, experts] or None)."""
         start, end = self.chunks[index]
         kwargs = {name: slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
         kwargs[self.cache_name] = seam
-        with one_streamed_chunk():
+        with one_streamed_chunk(), router.chunk_collector(self.records_router_logits) as collected:
             out = self.forward(self.layer, x_chunk, **kwargs)
         if not seam.met:
             raise ValueError(
                 f"{STREAMING_FIELD}: {type(self.layer).__name__} cannot be streamed: its mixer never read its state "
                 "from the cache (`get_conv_state` / `get_recurrent_state`). Unset the field for this model."
             )
-        return out[0] if isinstance(out, tuple) else out
+        out = out[0] if isinstance(out, tuple) else out
+        return out, router.chunk_logits(collected, self.layer, self.batch, end - start)
 
 
 class StreamedRecurrentFunction(torch.autograd.Function):
     """Inputs: x [B, S, d], the `RecurrentCall`, whether to keep x in host memory (offload.py: a storage, or None),
     the layer's parameters that require grad (plain leaf parameters: wrappers.py). Saves x and each chunk's start
-    states."""
+    states. Outputs the layer's output, and its router logits over the whole sequence where the model records them
+    (router.py)."""
 
     @staticmethod
     def forward(ctx, x, call, storage, *params):
@@ -123,22 +142,24 @@ class StreamedRecurrentFunction(torch.autograd.Function):
             ctx.saved_input = None
         ctx.autocast_state = capture_autocast_state(x.device.type)
         ctx.rng, ctx.starts = [], [(None, None)]
-        out = None
+        out, logits = None, []
         for index, (start, end) in enumerate(call.chunks):
             ctx.rng.append(capture_rng_state(x.device))  # dropout draws the same masks when the chunk is recomputed
             seam = StateSeam(*ctx.starts[-1])
-            chunk_out = call.call(x[:, start:end], index, seam)
+            chunk_out, chunk_logits = call.call(x[:, start:end], index, seam)
             if out is None:
                 out = chunk_out.new_empty(x.shape[:2] + chunk_out.shape[2:])
             out[:, start:end].copy_(chunk_out)
+            if chunk_logits is not None:
+                logits.append(chunk_logits)
             # copies: the conv state is a view of the chunk's joined inputs
             ctx.starts.append(tuple(None if s is None else s.clone() for s in seam.end_states()))
             del chunk_out, seam
         ctx.starts.pop()  # the last chunk's end state: nothing reads it
-        return out
+        return (out, token_major(logits, (call.batch,))) if logits else out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_router_logits=None):
         refuse_create_graph("streaming backward", STREAMING_FIELD)
         x = ctx.saved_input if ctx.saved_input is not None else KeptInput(ctx.saved_tensors[0])
         call, params = ctx.call, ctx.params
@@ -160,8 +181,12 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                     x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
                     seam = StateSeam(*leaves)
                     with linear_sums or contextlib.nullcontext():
-                        out = call.call(x_chunk, index, seam)
+                        out, logits = call.call(x_chunk, index, seam)
                     outputs, seeds = [out], [grad_out[:, start:end]]
+                    if logits is not None and grad_router_logits is not None:
+                        outputs.append(logits)
+                        logit_rows = positions(grad_router_logits.contiguous(), (call.batch,))[:, start:end]
+                        seeds.append(logit_rows.reshape(logits.shape))
                     for state, grad in zip(seam.end_states(), end_grads):
                         if grad is not None:
                             outputs.append(state)
@@ -173,7 +198,7 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                             check_graph_inputs(tensor, [x_chunk, *state_leaves, *params], "streaming backward")
                         checked = True
                     grads = list(torch.autograd.grad(outputs, inputs, seeds, allow_unused=True))
-                    del outputs, seeds, out, seam
+                    del outputs, seeds, out, logits, seam
                 if needs_x:
                     part = grads.pop(0)
                     if part is None:
@@ -202,28 +227,35 @@ def _forward_with_checkpoints(call, x):
 
     def chunk(x_chunk, conv_state, recurrent_state, index):
         seam = StateSeam(conv_state, recurrent_state)
-        return call.call(x_chunk, index, seam), *seam.end_states()
+        out, logits = call.call(x_chunk, index, seam)
+        return out, logits, *seam.end_states()
 
-    outs, states = [], (None, None)
+    outs, logits, states = [], [], (None, None)
     for index, (start, end) in enumerate(call.chunks):
-        out, *states = checkpoint(chunk, x[:, start:end], *states, index, use_reentrant=False)
+        out, chunk_logits, *states = checkpoint(chunk, x[:, start:end], *states, index, use_reentrant=False)
         outs.append(out)
-    return torch.cat(outs, dim=1)
+        if chunk_logits is not None:
+            logits.append(chunk_logits)
+    out = torch.cat(outs, dim=1)
+    return (out, token_major(logits, (call.batch,))) if logits else out
 
 
 def recurrent_forward(forward, layer, hidden_states, arguments, cache_name):
-    """The streamed training forward of a recurrent decoder layer (layer.py's `decoder_layer_forward` sends it here)."""
-    call = RecurrentCall(forward, layer, arguments, cache_name, hidden_states)
+    """The streamed training forward of a recurrent decoder layer (layer.py's `decoder_layer_forward` sends it here):
+    its output, the router logits (if recorded) handed to the model's collector (router.py)."""
+    collector = router.model_collector()
+    check_captured_outputs(layer, collector)
+    call = RecurrentCall(forward, layer, arguments, cache_name, hidden_states, router.recording(collector))
     params = layer_parameters(layer, mixer=recurrent_mixer(layer))
     storage = input_storage(layer)
     if params is None:
         if storage is None:
-            return _forward_with_checkpoints(call, hidden_states)
+            return router.hand_over(_forward_with_checkpoints(call, hidden_states))
         on_accelerator = hidden_states.device.type != "cpu"
         with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
-            return _forward_with_checkpoints(call, hidden_states)
+            return router.hand_over(_forward_with_checkpoints(call, hidden_states))
     # Nothing requiring grad (a frozen layer): autograd records no node, and the context's states go with the call.
-    return StreamedRecurrentFunction.apply(hidden_states, call, storage, *params)
+    return router.hand_over(StreamedRecurrentFunction.apply(hidden_states, call, storage, *params))
 
 
 def check_cache_has_no_state(layer, cache) -> None:
@@ -241,8 +273,20 @@ def check_cache_has_no_state(layer, cache) -> None:
         )
 
 
+def layer_config(layer):
+    """The model config a decoder layer was built from: its own (Mamba2's block keeps it), else its attention's or its
+    MLP / MoE block's (a hybrid's linear-attention layer keeps none of its own: Qwen3-Next's); None for a module
+    without one."""
+    for owner in (layer, getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
+        config = getattr(owner, "config", None)
+        if config is not None:
+            return config
+    return None
+
+
 def recurrent_mixer(layer):
-    """The recurrent mixer module of `layer` (the registry's `streaming_recurrent` attribute), or None."""
-    family = FAMILIES.get(getattr(getattr(layer, "config", None), "model_type", None))
+    """The recurrent mixer module of `layer` (the registry's `streaming_recurrent` attribute), or None: Mamba2's
+    `mixer`, a hybrid's `linear_attn` (absent on its attention layers)."""
+    family = FAMILIES.get(getattr(layer_config(layer), "model_type", None))
     name = getattr(family, "streaming_recurrent", None)
     return None if name is None else getattr(layer, name, None)
