@@ -23,7 +23,7 @@ sys.path.insert(0, str(DISTRIBUTED))
 import fsdp_run  # noqa: E402
 import trainer_run  # noqa: E402
 from tiny_models import UNTRAINED_UPSTREAM  # noqa: E402
-from trainer_run import FAMILIES, SEQ, STREAM, VARIANTS  # noqa: E402
+from trainer_run import FAMILIES, RECURRENT_LAYERS, SEQ, STREAM, VARIANTS  # noqa: E402
 
 TOLERANCE = 1e-5
 # Gemma-4's tiny model trains with fp32 rounding far above that under this suite's SGD (lr 0.5, 3 steps): measured in
@@ -61,7 +61,8 @@ RUNS = [("trainer_run.py", w) for w in sorted(trainer_run.WRAPPERS)] + [("fsdp_r
 # the layer's call) the streaming Function: the forward's n chunks, the backward's n K/V and n recomputed
 # chunks: 3n, and 2 more for each chunk holding a query row that sees no key (right padding longer than
 # Mistral's window: that chunk reads every key, layer.py's docstring). Checkpointing on top would add more:
-# these counts catch it.
+# these counts catch it. A recurrent layer (Qwen3-Next's Gated DeltaNet) computes each chunk twice under every wrapper:
+# its forward, and its backward's recompute (the Function's, or each chunk's own checkpoint).
 CHECKPOINTED_STREAMING = {"zero3", "zero3_offload", "fsdp1_orig_params", "fsdp1_flat_params"}
 MICRO_BATCHES, LAYERS = 6, 2
 
@@ -74,13 +75,17 @@ def assert_streamed_as_expected(wrapper, family, variant, run):
     checkpoint_calls = MICRO_BATCHES * LAYERS if checkpointing and not streams else 0
     assert run["checkpoint_calls"] == checkpoint_calls, (wrapper, family, variant, run["checkpoint_calls"])
     if not streams:
-        assert run["layer_calls"] == run["chunk_calls"] == 0, (wrapper, family, variant)
+        assert run["layer_calls"] == run["chunk_calls"] == run["recurrent_chunk_calls"] == 0, (wrapper, family, variant)
         return
     chunks = -(-SEQ // STREAM)
     per_layer_call = 4 * chunks if wrapper in CHECKPOINTED_STREAMING else 3 * chunks
+    recurrent_layers = RECURRENT_LAYERS.get(family, 0)
     assert run["layer_calls"] == MICRO_BATCHES * LAYERS, (wrapper, family, run["layer_calls"])
     blind = 0 if wrapper in CHECKPOINTED_STREAMING else 2 * run["blind_chunks"]
-    assert run["chunk_calls"] == MICRO_BATCHES * LAYERS * per_layer_call + blind, (wrapper, family, run["chunk_calls"])
+    assert run["chunk_calls"] == MICRO_BATCHES * (LAYERS - recurrent_layers) * per_layer_call + blind, (
+        wrapper, family, run["chunk_calls"])
+    assert run["recurrent_chunk_calls"] == MICRO_BATCHES * recurrent_layers * 2 * chunks, (
+        wrapper, family, run["recurrent_chunk_calls"])
 
 
 @pytest.mark.parametrize("script, wrapper", RUNS, ids=[w for _, w in RUNS])

@@ -17,6 +17,7 @@ from transformers.streaming_backward import layer as streamed_layer
 from transformers.streaming_backward import recurrent
 
 SEQ = 45
+CONV_STATE_ONLY = {"lfm2", "lfm2_moe"}  # short convolutions: no recurrent state
 RTOL = 1e-5  # fp32: the same arithmetic in another order (the scan's blocks start at each chunk's start)
 # Where fp32 rounding alone moves a gradient by more than RTOL (Gated DeltaNet's decay parameters `A_log`, `dt_bias`:
 # a sum over every position of terms that nearly cancel; upstream's own fp32 step is 3e-5..6e-5 from its fp64 one),
@@ -37,7 +38,7 @@ def _batch(seed=1, seq=SEQ, vocab=128):
 def _step(family, chunk, batches, hooks=False, dtype=torch.float32, prepare=None, **fields):
     """Loss per micro-batch and every parameter's gradient, accumulated over `batches`; `prepare(model)` runs on the
     model first (the flash_attention_2 stand-in)."""
-    if dtype == torch.float64 and family in MOE_FAMILIES:
+    if dtype == torch.float64:
         fields["experts_implementation"] = "eager"  # grouped_mm has no fp64 kernel
     model = make_model(family, streaming_backward_chunk=chunk, **fields).to(dtype).train()
     if prepare is not None:
@@ -145,16 +146,24 @@ def test_gradient_accumulation_and_hooks(family, streamed_calls):
 
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
 def test_a_planted_error_in_the_carried_state_fails(family, monkeypatch):
-    """The comparisons above can fail: a recurrent state that reaches the next chunk without its gradient moves the
-    gradients; a conv state left out moves the loss."""
+    """The comparisons above can fail, or the backward refuses: a recurrent state that reaches the next chunk
+    without its gradient path (as a fused kernel that dropped it would) is refused by the Function and moves the
+    gradients under the wrappers' checkpointed chunks; a conv state left out moves the loss. (LFM2's short
+    convolutions carry a conv state only.)"""
     batches = [_batch()]
     want = _step(family, None, batches)
+    if family in CONV_STATE_ONLY:
+        monkeypatch.setattr(recurrent.StateSeam, "get_recurrent_state", lambda self, *args, **kwargs: pytest.fail(
+            "a conv-only layer read a recurrent state"))
     get_state = recurrent.StateSeam.get_recurrent_state
     monkeypatch.setattr(recurrent.StateSeam, "get_recurrent_state",
                         lambda self, *args, **kwargs: None if (s := get_state(self, *args, **kwargs)) is None
                         else s.detach())
-    with pytest.raises(AssertionError):
-        _assert_exact(_step(family, 7, batches), family, 7, batches, want)
+    if family not in CONV_STATE_ONLY:
+        with pytest.raises(RuntimeError, match="returned no gradient for the state it started from"):
+            _step(family, 7, batches)
+        with pytest.raises(AssertionError):
+            _assert_exact(_step(family, 7, batches, hooks=True), family, 7, batches, want, hooks=True)
     monkeypatch.undo()
     update_conv = recurrent.StateSeam.update_conv_state
 
@@ -163,8 +172,10 @@ def test_a_planted_error_in_the_carried_state_fails(family, monkeypatch):
         return update_conv(self, *args, **kwargs)
 
     monkeypatch.setattr(recurrent.StateSeam, "update_conv_state", conv_from_zeros)
+    with pytest.raises(RuntimeError, match="returned no gradient for the state it started from"):
+        _step(family, 7, batches)
     with pytest.raises(AssertionError):
-        _assert_exact(_step(family, 7, batches), family, 7, batches, want)
+        _assert_exact(_step(family, 7, batches, hooks=True), family, 7, batches, want, hooks=True)
 
 
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
@@ -199,7 +210,9 @@ def test_the_backward_holds_one_chunk(family):
     assert gaps[1] > 3.5 * gaps[0], (streamed, checkpointed)
 
 
-@pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
+# Not Nemotron-H: its MLP and MoE blocks, which do not stream, take upstream's offloaded checkpointing, which pins host
+# memory (a CUDA build only).
+@pytest.mark.parametrize("family", sorted(set(RECURRENT_FAMILIES) - {"nemotron_h"}))
 def test_offloaded_input_read_back_by_chunks(family, streamed_calls):
     """activation_checkpointing_enable(offload=True) with streaming: each streamed layer keeps its input in host
     memory (one save per layer and step) and its backward reads it back one chunk at a time; exact."""
@@ -227,17 +240,24 @@ def test_offloaded_input_read_back_by_chunks(family, streamed_calls):
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
 def test_only_the_decoder_layers_stream(family):
     """`applies` (asked by GradientCheckpointingLayer, and by the planner for every module) is true for a training
-    recurrent layer only: not for the model around it, which carries the same config."""
+    recurrent or attention decoder layer only: not for the model around it, which carries the same config, nor for
+    Nemotron-H's MLP and MoE blocks (layers of their own there, with nothing to stream)."""
     from transformers.streaming_backward import applies
 
     model = make_model(family, streaming_backward_chunk=7).train()
-    assert [applies(module) for module in model.modules()].count(True) == model.config.num_hidden_layers
+    streamed = model.config.num_hidden_layers
+    if family == "nemotron_h":
+        streamed -= model.config.layers_block_type.count("mlp") + model.config.layers_block_type.count("moe")
+    assert [applies(module) for module in model.modules()].count(True) == streamed
     assert not any(applies(module) for module in model.eval().modules())
 
 
 # Hybrids: recurrent layers beside attention layers (Qwen3.5, Qwen3-Next).
 HYBRIDS = sorted(family for family in RECURRENT_FAMILIES if REGISTRY[family].streaming_attention)
-HYBRID_MOE = [family for family in HYBRIDS if family in MOE_FAMILIES]
+# Hybrids with MoE blocks, whose routers record their logits; Nemotron-H's head adds no aux loss.
+HYBRID_MOE = [family for family in HYBRIDS if family in MOE_FAMILIES or family in ("granitemoehybrid", "nemotron_h",
+                                                                                   "lfm2_moe", "kimi_linear")]
+NO_AUX_LOSS = {"nemotron_h", "lfm2_moe", "kimi_linear"}
 
 
 def _streamed_layer_calls(monkeypatch):
@@ -272,9 +292,12 @@ def test_hybrid_router_logits_and_aux_loss(family, variant, monkeypatch):
     calls = _streamed_layer_calls(monkeypatch)
     (out, grads), (ref, ref_grads) = step(7), step(None)
     assert calls == ([] if variant == "fallback" else ["recurrent", "attention"])
-    assert ref.aux_loss is not None and ref.aux_loss.item() > 0
-    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=RTOL, atol=0)
-    assert len(out.router_logits) == len(ref.router_logits) == 2
+    if family in NO_AUX_LOSS:
+        assert ref.aux_loss is None and out.aux_loss is None
+    else:
+        assert ref.aux_loss is not None and ref.aux_loss.item() > 0
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=RTOL, atol=0)
+    assert len(out.router_logits) == len(ref.router_logits) > 0
     for got, want in zip(out.router_logits, ref.router_logits):
         assert got.shape == want.shape and got.requires_grad
         torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-6)

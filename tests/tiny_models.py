@@ -52,8 +52,8 @@ def _entry(family):
         return SSM_COMMON, SSM_FAMILIES[family]
     if family in NEW_FAMILIES:  # before the recurrent ones: hybrids (Qwen3-Next) have attention models' sizes
         return COMMON, NEW_FAMILIES[family]
-    if family in RECURRENT_FAMILIES:
-        return SSM_COMMON, RECURRENT_FAMILIES[family]
+    if family in RECURRENT_FAMILIES:  # hybrids with attention layers have attention models' sizes
+        return (COMMON if REGISTRY[family].streaming_attention else SSM_COMMON), RECURRENT_FAMILIES[family]
     return COMMON, FAMILIES[family]
 
 

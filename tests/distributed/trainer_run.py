@@ -7,8 +7,8 @@ a sliding window shorter than the sequence; tiny Qwen3; Mixtral, Qwen3-MoE and G
 trains three times from the same weights and data (VARIANTS): flags unset, `mini_sequence_chunk` set (chunks that do not divide the sequence), and
 `streaming_backward_chunk` set (Llama, Qwen3, Qwen3-MoE: alone, with the Trainer's gradient checkpointing on too, which
 streaming must replace; Mistral, Mixtral, GPT-OSS: with `mini_sequence_chunk`; DeepSeek-V3 and Llama-4 text: both, under checkpointing; Mistral's query chunks longer than its
-window; Gemma-4 text: both, under checkpointing; Qwen3-Next, DeepSeek-V3.2 and GLM-5, which do not stream:
-mini-sequences under checkpointing).
+window; Gemma-4 text: both, under checkpointing; Qwen3-Next: both, under checkpointing, its Gated DeltaNet layer through its
+state; DeepSeek-V3.2 and GLM-5, which do not stream: mini-sequences under checkpointing).
 SGD, gradient accumulation 2, right padding and ignored labels. Rank 0 saves every micro-batch loss,
 the initial and the full final weights of each run, and how often the streamed layers recomputed a
 chunk and the Trainer's checkpointing ran, to OUT_FILE; tests/test_distributed.py compares each
@@ -28,6 +28,7 @@ from leave import leave_process_group  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers import streaming_backward as streaming  # noqa: E402
 from transformers.streaming_backward import layer as streamed_layer  # noqa: E402
+from transformers.streaming_backward import recurrent  # noqa: E402
 
 SEQ = 48
 # Per family, on top of tests/tiny_models.py: Llama with tied embeddings; Mistral with a sliding
@@ -45,9 +46,11 @@ FAMILIES = {"llama": dict(tie_word_embeddings=True), "mistral": dict(sliding_win
             "llama4_text": dict(output_router_logits=True), "qwen3_next": dict(output_router_logits=True),
             "deepseek_v32": dict(output_router_logits=True), "glm_moe_dsa": dict(output_router_logits=True),
             "gemma4_text": {}}
-# Not streamed (linear attention; the sparse-attention indexer's keys): their second variant is mini-sequences under
-# the Trainer's checkpointing.
-NOT_STREAMED = ("qwen3_next", "deepseek_v32", "glm_moe_dsa")
+# Not streamed (the sparse-attention indexer's keys): their second variant is mini-sequences under the Trainer's
+# checkpointing.
+NOT_STREAMED = ("deepseek_v32", "glm_moe_dsa")
+# Decoder layers that stream through their recurrent state (streaming_backward/recurrent.py): Qwen3-Next's layer 0.
+RECURRENT_LAYERS = {"qwen3_next": 1}
 CHUNK = 7  # mini-sequences of 7 tokens: does not divide the 2 x 48 tokens of a micro-batch
 STREAM = 10  # streamed query chunks of 10 tokens: 5 per layer call (the last one 8), longer than Mistral's window
 # Per variant and family: (config overrides, TrainingArguments overrides); "off" is the reference.
@@ -66,6 +69,7 @@ VARIANTS = {
         "llama4_text": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK),
                         dict(gradient_checkpointing=True)),
         "gemma4_text": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), dict(gradient_checkpointing=True)),
+        "qwen3_next": (dict(streaming_backward_chunk=STREAM, mini_sequence_chunk=CHUNK), dict(gradient_checkpointing=True)),
         **{family: (dict(mini_sequence_chunk=CHUNK), dict(gradient_checkpointing=True)) for family in NOT_STREAMED},
     },
 }
@@ -133,12 +137,12 @@ def build_model(family, variant):
     return make_model(family, seed=0, use_cache=False, **FAMILIES[family], **VARIANTS[variant][family][0])
 
 
-COUNTS = {"layer_calls": 0, "chunk_calls": 0, "blind_chunks": 0, "checkpoint_calls": 0}
+COUNTS = {"layer_calls": 0, "chunk_calls": 0, "blind_chunks": 0, "checkpoint_calls": 0, "recurrent_chunk_calls": 0}
 
 
 def count_recomputation():
-    """Count streamed decoder-layer calls, streamed chunk computations (forward and every recomputation), chunks
-    holding a query row that sees no key (they run twice more), and calls of the checkpoint function that gradient checkpointing uses (transformers.modeling_utils
+    """Count streamed decoder-layer calls, streamed chunk computations (forward and every recomputation; those of
+    recurrent layers apart), chunks holding a query row that sees no key (they run twice more), and calls of the checkpoint function that gradient checkpointing uses (transformers.modeling_utils
     binds `checkpoint` when checkpointing is enabled, so this must run before). Class and module
     attributes, no module hooks: a hook would change which path the layer takes."""
     layer_forward, chunk_output = streaming.decoder_layer_forward, streamed_layer.StreamedCall.call
@@ -153,6 +157,7 @@ def count_recomputation():
 
     streaming.decoder_layer_forward = counted("layer_calls", layer_forward)
     streamed_layer.StreamedCall.call = counted("chunk_calls", chunk_output)
+    recurrent.RecurrentCall.call = counted("recurrent_chunk_calls", recurrent.RecurrentCall.call)
     planned = streamed_layer.StreamedCall.__init__
 
     def counting_blind(self, *args, **kwargs):

@@ -26,6 +26,9 @@ class Family(NamedTuple):
     # cache at its conv/recurrent state): streaming_backward_chunk streams the layer through its state
     # (streaming_backward/recurrent.py). None: no recurrent layer streams.
     streaming_recurrent: str | None = None
+    # How many values the family's decoder layer returns (Bamba's: its hidden states and attention weights, which its
+    # model unpacks); a streamed layer returns as many (streaming_backward/recurrent.py `returned`).
+    streaming_layer_returns: int = 1
     # (config attribute, what it does): a config where that attribute is set (non-zero) is not streamed (warned at
     # construction), e.g. Gemma-4's K/V shared across layers. None: every config of the family streams.
     streaming_unless: tuple | None = None
@@ -198,6 +201,58 @@ FAMILIES = {
     # (shorter than the test sequences).
     "mamba2": Family("Mamba2", "Mamba2Config", "Mamba2ForCausalLM", "lm_head", streaming_recurrent="mixer",
                      tiny={"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 8}),
+    # Mamba2 mixers beside attention layers, each layer one or the other (the recurrent ones' mixer `mamba`, found
+    # without a config of its own: streaming_backward/__init__.py gives it the model's). No mini-sequence path yet.
+    # Bamba (`bamba`): dense MLPs; its layers return (hidden states, attention weights). Tiny: a Mamba2 layer (4 heads
+    # of 16, state 8, one group, scan blocks of 8) then an attention layer.
+    "bamba": Family("Bamba", "BambaConfig", "BambaForCausalLM", None, _ATTENTION, streaming_recurrent="mamba",
+                    streaming_layer_returns=2,
+                    tiny={"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_chunk_size": 8,
+                          "mamba_n_groups": 1}),
+    # Granite-4.0-H (`granitemoehybrid`): Bamba's layers with a MoE block (routed experts and a shared MLP) in each,
+    # the router's aux loss. Tiny: 4 experts of 16, top-2, a shared MLP of 64, the aux loss weighted 1.0; RoPE.
+    "granitemoehybrid": Family("Granite-4.0-H", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", None,
+                               _ATTENTION, streaming_recurrent="mamba",
+                               tiny={"layer_types": ["linear_attention", "full_attention"], "intermediate_size": 16,
+                                     "shared_intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                     "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_chunk_size": 8,
+                                     "mamba_n_groups": 1, "position_embedding_type": "rope",
+                                     "router_aux_loss_coef": 1.0}),
+    # Nemotron-H (`nemotron_h`): blocks of one kind each (`layers_block_type`: a Mamba2 mixer, attention, an MLP or a
+    # MoE block with a shared expert), every one under the attribute `mixer`: the Mamba2 blocks stream through their
+    # state, the attention blocks by query chunks, the MLP and MoE blocks run as upstream's (token by token: nothing
+    # to stream). Router logits recorded, no aux loss in its head. Tiny: one block of each kind.
+    "nemotron_h": Family("Nemotron-H", "NemotronHConfig", "NemotronHForCausalLM", None, _ATTENTION,
+                         streaming_recurrent="mixer",
+                         tiny={"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
+                               "num_hidden_layers": 4, "head_dim": 8, "ssm_state_size": 8, "mamba_num_heads": 4,
+                               "mamba_head_dim": 16, "n_groups": 1, "chunk_size": 8, "n_routed_experts": 4,
+                               "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                               "moe_shared_expert_intermediate_size": 16}),
+    # LFM2 (`lfm2`) and LFM2-MoE (`lfm2_moe`): short gated convolutions (`conv`, a conv state only) beside attention
+    # layers; LFM2-MoE's MoE blocks record their router logits (no aux loss in its head). Tiny: a conv layer, then an
+    # attention layer; LFM2-MoE with 4 experts of 16, top-2, no dense layers.
+    "lfm2": Family("LFM2", "Lfm2Config", "Lfm2ForCausalLM", None, _ATTENTION, streaming_recurrent="conv",
+                   tiny={"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
+    "lfm2_moe": Family("LFM2-MoE", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", None, _ATTENTION, streaming_recurrent="conv",
+                       tiny={"layer_types": ["conv", "full_attention"], "num_dense_layers": 0, "num_experts": 4,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+    # OLMo-Hybrid (`olmo_hybrid`): Gated DeltaNet layers (`linear_attn`) beside attention layers. Tiny: one of each.
+    "olmo_hybrid": Family("OLMo-Hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", None, _ATTENTION,
+                          streaming_recurrent="linear_attn",
+                          tiny={"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                                "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                "eos_token_id": 2}),
+    # Kimi-Linear (`kimi_linear`): Kimi Delta Attention layers and latent-attention (MLA) layers, both under
+    # `self_attn` (told apart by the layer's `block_type`), MoE blocks with a shared expert recording their router
+    # logits (no aux loss in its head). Tiny: one layer of each kind, DeepSeek-V3-style experts (4, top-2, 2 groups).
+    "kimi_linear": Family("Kimi-Linear", "KimiLinearConfig", "KimiLinearForCausalLM", None, _ATTENTION,
+                          streaming_recurrent="self_attn",
+                          tiny={**_TINY_LATENT, "layer_types": ["linear_attention", "full_attention"],
+                                "mlp_layer_types": ["sparse", "sparse"], "linear_num_heads": 4, "linear_head_dim": 8,
+                                "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "bos_token_id": 1,
+                                "eos_token_id": 2}),
     "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", adjoint=True, tiny={}),
     "falcon_mamba": Family("FalconMamba", "FalconMambaConfig", "FalconMambaForCausalLM", "lm_head", adjoint=True,
                            tiny={}),
@@ -281,6 +336,23 @@ CHECKPOINTS = {
                                          num_key_value_heads=8, head_dim=128, num_local_experts=16,
                                          num_experts_per_tok=1, interleave_moe_layer_step=1,
                                          attention_chunk_size=8192, rope_theta=500000.0)),
+    # Qwen/Qwen3-Next-80B-A3B (model card): 48 layers, 3 Gated DeltaNet (16 QK and 32 V heads of 128) to 1 gated
+    # attention layer (16 query and 2 KV heads of 256, RoPE on 64 of them), every layer MoE with 512 experts of 512,
+    # 10 per token, and a shared expert of 512: upstream's Qwen3NextConfig defaults, written out.
+    "qwen3-next-80b-a3b": ("qwen3_next", dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                                              num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                              linear_key_head_dim=128,
+                                              linear_value_head_dim=128, linear_num_key_heads=16,
+                                              linear_num_value_heads=32, num_experts=512, num_experts_per_tok=10,
+                                              moe_intermediate_size=512, shared_expert_intermediate_size=512)),
+    # Qwen/Qwen3.5-35B-A3B's text stack: upstream's Qwen3_5MoeTextConfig defaults, which its docstring names as that
+    # checkpoint's: 40 layers (3 Gated DeltaNet to 1 attention), 256 experts of 512, 8 per token, a shared expert.
+    "qwen3.5-35b-a3b": ("qwen3_5_moe_text", dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+                                                 num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                                 linear_key_head_dim=128, linear_value_head_dim=128,
+                                                 linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
+                                                 num_experts_per_tok=8, moe_intermediate_size=512,
+                                                 shared_expert_intermediate_size=512)),
     # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token; no sliding window.
     "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,

@@ -23,7 +23,21 @@ def _name_layers_for_compile(model) -> None:
         compiled.register_layers(model)
 
 
+def _config_for_layers(model) -> None:
+    """At model construction: the model's config on each decoder layer that keeps none (Bamba's and Granite-4.0-H's
+    Mamba layers), for `recurrent.layer_config`. An inner model (a composite's text model) runs this first: its
+    config stays."""
+    from ..modeling_layers import GradientCheckpointingLayer
+    from .recurrent import layer_config
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and layer_config(module) is None:
+            module._streaming_config = config
+
+
 CONSTRUCTION_HOOKS.append(_name_layers_for_compile)
+CONSTRUCTION_HOOKS.append(_config_for_layers)
 
 
 __all__ = ["applies", "decoder_layer_forward"]

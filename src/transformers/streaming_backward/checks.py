@@ -14,7 +14,9 @@ SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH_ATTENTION)
 def check_attention_call(layer, mask, batch: int, seq_len: int) -> bool:
     """Raise unless the layer's attention can run offset query chunks with this mask; returns whether its
     attention function masks an offset chunk itself (masks.masks_offset_chunk_itself)."""
-    attn = layer.self_attn
+    from .recurrent import attention_module
+
+    attn = attention_module(layer)
     config = attn.config
     implementation = config._attn_implementation
     bottom_right = implementation not in SUPPORTED_ATTENTION and masks_offset_chunk_itself(implementation)
@@ -67,7 +69,9 @@ def check_cache_is_empty(layer, cache) -> None:
     replaces: a training forward with the default `use_cache=True` returns the (empty) cache the model made, without
     the whole sequence's keys and values (their memory is what streaming saves). Cached tokens from an earlier call
     would be silently not attended to: refused."""
-    cached = cache.get_seq_length(layer.self_attn.layer_idx) if cache is not None else 0
+    from .recurrent import attention_module
+
+    cached = cache.get_seq_length(attention_module(layer).layer_idx) if cache is not None else 0
     if cached:
         raise ValueError(
             f"{STREAMING_FIELD}: the cache passed (`cache` / `past_key_values`) holds {cached} cached tokens, "

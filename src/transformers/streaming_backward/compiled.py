@@ -38,10 +38,12 @@ import weakref
 
 import torch
 
+from ..mst_core.families import FAMILIES
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.wrappers import is_plain_parameter
 from . import router
 from .offload import offload_requested
+from .recurrent import layer_config
 
 
 _KEYS = itertools.count()
@@ -286,4 +288,7 @@ def traced_call(layer, args, kwargs):
         return None
     tensors, text = encoded
     out, logits, _ = streamed_layer(hidden, tensors, params, key, text)
-    return router.hand_over((out, logits) if router_logits is not None else out)
+    out = router.hand_over((out, logits) if router_logits is not None else out)
+    # A layer whose own forward returns a tuple (Bamba's: hidden states, attention weights), as its model unpacks it
+    returns = getattr(FAMILIES.get(getattr(layer_config(layer), "model_type", None)), "streaming_layer_returns", 1)
+    return out if returns == 1 else (out, *(None,) * (returns - 1))

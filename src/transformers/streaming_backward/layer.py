@@ -88,7 +88,7 @@ def applies(layer) -> bool:
     not one the registry excepts (`streaming_unless`: Gemma-4's K/V shared across layers).
     A layer of another family (the field set on it by `from_pretrained` or a config.json) is not streamed: the
     model warned at construction that the field is ignored (mst_core/model_checks.py)."""
-    config = getattr(getattr(layer, "self_attn", None), "config", None)
+    config = getattr(recurrent.attention_module(layer), "config", None)
     if config is None and recurrent.recurrent_mixer(layer) is not None:  # a recurrent layer (Mamba2Block, linear_attn)
         config = recurrent.layer_config(layer)
     if getattr(config, STREAMING_FIELD, None) is None or not (layer.training and torch.is_grad_enabled()):
@@ -107,10 +107,11 @@ class StreamedCall:
 
     def __init__(self, forward, layer, arguments, cache_name, records_router_logits=False):
         self.forward, self.layer, self.cache_name = forward, layer, cache_name
-        attn = layer.self_attn
+        attn = recurrent.attention_module(layer)
         config = attn.config
         hidden_states = arguments.pop("hidden_states")
         self.batch, self.seq_len = hidden_states.shape[:2]
+        self.returned_tuple = None  # the length of the layer's own tuple result (Bamba's), seen by `call`
         implementation = config._attn_implementation
         mask = arguments.pop("attention_mask", None)
         self.bottom_right = check_attention_call(layer, mask, self.batch, self.seq_len)
@@ -218,7 +219,8 @@ class StreamedCall:
         if not cache.updated:
             raise self._not_streamable()
         self.keys_dtype = cache.keys_dtype
-        out = out[0] if isinstance(out, tuple) else out
+        if isinstance(out, tuple):
+            self.returned_tuple, out = len(out), out[0]
         logits = router.chunk_logits(collected, self.layer, self.batch, end - start)
         return (out,) if logits is None else (out, logits)
 
@@ -563,9 +565,9 @@ def prepared_call(forward, layer, args, kwargs):
 def skip_and_record_projections(streamed, layer):
     """On the Function's path (not under a wrapper's hooks, where every module runs as upstream's): the query
     projection the K/V passes skip and the projections whose outputs they record (cache.py, projections.py)."""
-    streamed.query_projection = discardable_query_projection(layer.self_attn)
+    streamed.query_projection = discardable_query_projection(recurrent.attention_module(layer))
     streamed.recorded_projections = RecordedProjections(
-        recordable_projections(layer.self_attn, skipped=streamed.query_projection)
+        recordable_projections(recurrent.attention_module(layer), skipped=streamed.query_projection)
     )
 
 
@@ -591,17 +593,17 @@ def _eager_forward(forward, layer, *args, **kwargs):
     if params is None:
         # ZeRO-3 leaf modules (MoE blocks) run once per chunk here; DeepSpeed reduces their weights once per call.
         # Its K/V passes skip the query projection, as the Function's do: q_proj sees each token twice a step.
-        streamed.query_projection = discardable_query_projection(layer.self_attn, hooks_run=True)
+        streamed.query_projection = discardable_query_projection(recurrent.attention_module(layer), hooks_run=True)
         with leaf_gradients_queued_once(layer):
             if storage is None:
-                return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
+                return recurrent.returned(streamed, router.hand_over(_forward_with_checkpoints(streamed, hidden_states)))
             on_accelerator = hidden_states.device.type != "cpu"
             with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
-                return router.hand_over(_forward_with_checkpoints(streamed, hidden_states))
+                return recurrent.returned(streamed, router.hand_over(_forward_with_checkpoints(streamed, hidden_states)))
     skip_and_record_projections(streamed, layer)
     if not (hidden_states.requires_grad or params or streamed.row_inputs):
         with torch.no_grad(), streamed.views_of_one_mask():
             outputs = streamed.run(hidden_states)[0]
-        return router.hand_over(outputs if len(outputs) > 1 else outputs[0])
+        return recurrent.returned(streamed, router.hand_over(outputs if len(outputs) > 1 else outputs[0]))
     row_inputs = streamed.row_inputs.values()
-    return router.hand_over(StreamedLayerFunction.apply(hidden_states, streamed, storage, *row_inputs, *params))
+    return recurrent.returned(streamed, router.hand_over(StreamedLayerFunction.apply(hidden_states, streamed, storage, *row_inputs, *params)))

@@ -98,6 +98,7 @@ class RecurrentCall:
                 "recurrent layer does not take yet: each chunk's scan would read the whole sequence's boundaries. "
                 "Pad the sequences instead of packing them, or unset the field."
             )
+        self.returned_tuple = None  # the length of the layer's own tuple result (Bamba's), seen by `call`
         config = layer_config(layer)
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
@@ -122,7 +123,8 @@ class RecurrentCall:
                 f"{STREAMING_FIELD}: {type(self.layer).__name__} cannot be streamed: its mixer never read its state "
                 "from the cache (`get_conv_state` / `get_recurrent_state`). Unset the field for this model."
             )
-        out = out[0] if isinstance(out, tuple) else out
+        if isinstance(out, tuple):
+            self.returned_tuple, out = len(out), out[0]
         return out, router.chunk_logits(collected, self.layer, self.batch, end - start)
 
 
@@ -209,6 +211,15 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                     grad_x[:, start:end].copy_(part)
                 state_grads = iter(grads[: len(state_leaves)])
                 end_grads = tuple(None if leaf is None else next(state_grads) for leaf in leaves)
+                if any(leaf is not None and grad is None for leaf, grad in zip(leaves, end_grads)):
+                    # The chunk's output depends on the state it started from; a scan (a fused kernel) that takes
+                    # the state without its gradient would silently cut the sequence's gradient at the boundary.
+                    raise RuntimeError(
+                        f"streaming backward: {type(call.layer).__name__}'s chunk from token {start} returned no "
+                        "gradient for the state it started from (its scan or convolution took the carried state "
+                        f"without a gradient path); refusing to drop it. Unset {STREAMING_FIELD}, or run the "
+                        "mixer's PyTorch path (uninstall the kernel package it uses)."
+                    )
                 del grads
         for total, param in zip(acc, wanted):
             if total is None:
@@ -250,12 +261,20 @@ def recurrent_forward(forward, layer, hidden_states, arguments, cache_name):
     storage = input_storage(layer)
     if params is None:
         if storage is None:
-            return router.hand_over(_forward_with_checkpoints(call, hidden_states))
+            return returned(call, router.hand_over(_forward_with_checkpoints(call, hidden_states)))
         on_accelerator = hidden_states.device.type != "cpu"
         with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
-            return router.hand_over(_forward_with_checkpoints(call, hidden_states))
+            return returned(call, router.hand_over(_forward_with_checkpoints(call, hidden_states)))
     # Nothing requiring grad (a frozen layer): autograd records no node, and the context's states go with the call.
-    return router.hand_over(StreamedRecurrentFunction.apply(hidden_states, call, storage, *params))
+    return returned(call, router.hand_over(StreamedRecurrentFunction.apply(hidden_states, call, storage, *params)))
+
+
+def returned(call, out):
+    """`out` as the layer's own forward returns it: Bamba's decoder layer returns (hidden states, attention weights),
+    which its model unpacks; the weights are never whole here (checks.check_captured_outputs refuses recording them):
+    None in their place."""
+    n = call.returned_tuple
+    return out if n is None else (out, *(None,) * (n - 1))
 
 
 def check_cache_has_no_state(layer, cache) -> None:
@@ -281,7 +300,8 @@ def layer_config(layer):
         config = getattr(owner, "config", None)
         if config is not None:
             return config
-    return None
+    # A layer keeping none (Bamba's and Granite-4.0-H's Mamba layers): the model's, set at construction (__init__.py)
+    return getattr(layer, "_streaming_config", None)
 
 
 def recurrent_mixer(layer):
@@ -289,4 +309,23 @@ def recurrent_mixer(layer):
     `mixer`, a hybrid's `linear_attn` (absent on its attention layers)."""
     family = FAMILIES.get(getattr(layer_config(layer), "model_type", None))
     name = getattr(family, "streaming_recurrent", None)
-    return None if name is None else getattr(layer, name, None)
+    # A hybrid keeping every block's mixer under that one attribute (Nemotron-H's `mixer`: Mamba2, attention, MLP or
+    # MoE, by the block's `block_type`): its linear-attention blocks only.
+    if name is None or getattr(layer, "block_type", "linear_attention") != "linear_attention":
+        return None
+    # A recurrent mixer keeps a conv state (`conv_kernel_size`, handed to `update_conv_state`): not LFM2's
+    # `Lfm2ShortConv` asked about itself (its own config, and an `nn.Conv1d` under the registry's name `conv`).
+    mixer = getattr(layer, name, None)
+    return mixer if hasattr(mixer, "conv_kernel_size") else None
+
+
+def attention_module(layer):
+    """The attention module of `layer` that meets the K/V cache: `self_attn`, else a hybrid block's mixer where it is
+    attention (Nemotron-H's `mixer` on its "full_attention" blocks, the registry's `streaming_recurrent` attribute);
+    None for a layer without one."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None and getattr(layer, "block_type", None) == "full_attention":
+        family = FAMILIES.get(getattr(layer_config(layer), "model_type", None))
+        name = getattr(family, "streaming_recurrent", None)
+        attn = None if name is None else getattr(layer, name, None)
+    return attn

@@ -21,7 +21,9 @@ def layer_parameters(layer, mixer=None):
     Checked per child module rather than on the layer: transformers installs output-capturing hooks on decoder
     layers and attention modules (output_hidden_states), which only read the outputs.
     """
-    attn = layer.self_attn if mixer is None else mixer
+    from .recurrent import attention_module
+
+    attn = attention_module(layer) if mixer is None else mixer
     if foreign_attention_hooks(attn):
         return None
     modules = [child for child in layer.children() if child is not attn] + list(attn.children())
