@@ -1,13 +1,14 @@
 """Exactness on randomly drawn setups: the parametrized tests fix one shape per question; here each trial draws a
-family (every tiny text family of the registry, the state-space ones and Mamba2), a method (mini-sequences, with
+family (every tiny text family of the registry, the state-space ones, Mamba2 and the hybrids), a method (mini-sequences, with
 checkpointing or not; streaming and both, where the family streams; adjoint sharding, where it applies), chunk sizes
 from 1 to longer than the sequence, a sequence length, a batch of 1-3 rows with left or right padding, ignored labels
 (none to all), one or two micro-batches accumulated with `num_items_in_batch`, sdpa or eager attention and, for MoE
 families, the router's auxiliary loss. The step must give upstream's loss and every gradient of upstream's fp32 step
 (relative to each tensor's scale, as tests/test_new_families.py), and the same set of parameters with a gradient.
 
-A gradient further from upstream's fp32 one than that is judged against fp64 instead: as close to fp64 as upstream's
-fp32 gradient, within twice its error plus `FP32_NOISE`. Gradients that are small sums of large terms (the
+A gradient further from upstream's fp32 one than that is judged against fp64 instead (fp64 throughout for the Gated
+DeltaNet families, whose layers cast to fp32 inside an fp64 model: tests/tiny_models.py `fp64_throughout`): as close to
+fp64 as upstream's fp32 gradient, within twice its error plus `FP32_NOISE`. Gradients that are small sums of large terms (the
 linear-attention decay parameters of Qwen3-Next and Qwen3.5) differ from upstream's fp32 ones by fp32 summation order
 alone (their tolerance against upstream's fp32 step is tests/test_new_families.py's, and with the router's aux loss
 they are left to that file's fp64 test over seeds); a lost, duplicated or half-precision term elsewhere is 10x-1000x

@@ -50,7 +50,7 @@ RECURRENT_FAMILIES = _entries(tuple(t for t, family in REGISTRY.items() if famil
 def _entry(family):
     if family in SSM_FAMILIES:
         return SSM_COMMON, SSM_FAMILIES[family]
-    if family in NEW_FAMILIES:  # before the recurrent ones: hybrids (Qwen3-Next) have attention models' sizes
+    if family in NEW_FAMILIES:  # Qwen3.5's and Qwen3-Next's entries are in both: these
         return COMMON, NEW_FAMILIES[family]
     if family in RECURRENT_FAMILIES:  # hybrids with attention layers have attention models' sizes
         return (COMMON if REGISTRY[family].streaming_attention else SSM_COMMON), RECURRENT_FAMILIES[family]

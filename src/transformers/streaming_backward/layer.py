@@ -586,6 +586,12 @@ def _eager_forward(forward, layer, *args, **kwargs):
     stops the layer at the cache by raising; traced, dynamo fell back to eager in parts of the layer with more breaks
     (11 against 5 on a 2-layer Llama at 2K tokens) and a slower step (docs/limits.md)."""
     streamed, hidden_states = prepared_call(forward, layer, args, kwargs)
+    # as many values as the layer's own forward returns (Bamba's: a tuple)
+    return recurrent.returned(streamed, router.hand_over(_streamed_outputs(streamed, layer, hidden_states)))
+
+
+def _streamed_outputs(streamed, layer, hidden_states):
+    """The streamed layer's output, or (output, router logits) (router.py), by the Function or the wrappers' fallback."""
     # The attention module is called (its hooks run); hooks other than output capturing may swap its weights
     # (FSDP2 `fully_shard` on it, accelerate): then ordinary autograd takes every gradient (the fallback).
     params = layer_parameters(layer)
@@ -596,14 +602,14 @@ def _eager_forward(forward, layer, *args, **kwargs):
         streamed.query_projection = discardable_query_projection(recurrent.attention_module(layer), hooks_run=True)
         with leaf_gradients_queued_once(layer):
             if storage is None:
-                return recurrent.returned(streamed, router.hand_over(_forward_with_checkpoints(streamed, hidden_states)))
+                return _forward_with_checkpoints(streamed, hidden_states)
             on_accelerator = hidden_states.device.type != "cpu"
             with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
-                return recurrent.returned(streamed, router.hand_over(_forward_with_checkpoints(streamed, hidden_states)))
+                return _forward_with_checkpoints(streamed, hidden_states)
     skip_and_record_projections(streamed, layer)
     if not (hidden_states.requires_grad or params or streamed.row_inputs):
         with torch.no_grad(), streamed.views_of_one_mask():
             outputs = streamed.run(hidden_states)[0]
-        return recurrent.returned(streamed, router.hand_over(outputs if len(outputs) > 1 else outputs[0]))
+        return outputs if len(outputs) > 1 else outputs[0]
     row_inputs = streamed.row_inputs.values()
-    return recurrent.returned(streamed, router.hand_over(StreamedLayerFunction.apply(hidden_states, streamed, storage, *row_inputs, *params)))
+    return StreamedLayerFunction.apply(hidden_states, streamed, storage, *row_inputs, *params)

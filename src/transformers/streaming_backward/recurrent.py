@@ -28,11 +28,11 @@ from ..mst_core.families import FAMILIES
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
+from ..mst_core.router_logits import positions, token_major
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
+from . import router
 from .checks import check_captured_outputs
 from .config import streaming_chunk_size
-from ..mst_core.router_logits import positions, token_major
-from . import router
 from .offload import KeptInput, SavedInput, input_storage
 from .rows import slice_rows
 from .wrappers import layer_parameters
@@ -257,16 +257,21 @@ def recurrent_forward(forward, layer, hidden_states, arguments, cache_name):
     collector = router.model_collector()
     check_captured_outputs(layer, collector)
     call = RecurrentCall(forward, layer, arguments, cache_name, hidden_states, router.recording(collector))
+    return returned(call, router.hand_over(_streamed_outputs(call, layer, hidden_states)))
+
+
+def _streamed_outputs(call, layer, hidden_states):
+    """The layer's output, or (output, router logits), by the Function or the wrappers' fallback."""
     params = layer_parameters(layer, mixer=recurrent_mixer(layer))
     storage = input_storage(layer)
     if params is None:
         if storage is None:
-            return returned(call, router.hand_over(_forward_with_checkpoints(call, hidden_states)))
+            return _forward_with_checkpoints(call, hidden_states)
         on_accelerator = hidden_states.device.type != "cpu"
         with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
-            return returned(call, router.hand_over(_forward_with_checkpoints(call, hidden_states)))
+            return _forward_with_checkpoints(call, hidden_states)
     # Nothing requiring grad (a frozen layer): autograd records no node, and the context's states go with the call.
-    return returned(call, router.hand_over(StreamedRecurrentFunction.apply(hidden_states, call, storage, *params)))
+    return StreamedRecurrentFunction.apply(hidden_states, call, storage, *params)
 
 
 def returned(call, out):
