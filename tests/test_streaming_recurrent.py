@@ -326,3 +326,18 @@ def test_packed_sequences_are_refused(family):
     cu = torch.tensor([0, 20, SEQ], dtype=torch.int32)
     with pytest.raises(ValueError, match="packed sequences \\(`cu_seq_lens_q`\\)"):
         model(input_ids=ids, labels=labels, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=25, max_length_k=25)
+
+
+def test_a_mixer_that_drops_the_carried_state_is_refused(monkeypatch):
+    """Mamba's (and FalconMamba's, Jamba's) selective scan starts every call from a zero state: upstream reads the
+    cache's state only in its one-token decode step. Were its mixer registered as recurrent, each chunk would start
+    afresh and no gradient would reach the state it was handed: the streamed backward refuses that chunk (and the
+    registry does not stream these families; adjoint sharding's fields are Mamba's path)."""
+    from transformers.mst_core import families
+    from transformers.streaming_backward import layer as streamed_layer_module
+
+    monkeypatch.setitem(families.FAMILIES, "mamba", families.FAMILIES["mamba"]._replace(streaming_recurrent="mixer"))
+    monkeypatch.setattr(streamed_layer_module, "STREAMING_MODEL_TYPES",
+                        streamed_layer_module.STREAMING_MODEL_TYPES + ("mamba",))
+    with pytest.raises(RuntimeError, match="returned no gradient for the state it started from"):
+        _step("mamba", 7, [_batch()])
