@@ -124,8 +124,12 @@ def test_exact_against_the_unsplit_step(family, chunk, streamed_calls, monkeypat
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
 @pytest.mark.parametrize("streaming", [None, 7])
 def test_with_mini_sequences(family, streaming, streamed_calls):
-    """mini_sequence_chunk (the LM head + loss by chunks of 16), alone and with streamed layers."""
+    """mini_sequence_chunk (the LM head + loss by chunks of 16; warned about as ignored where the family has no
+    mini-sequence path: Bamba, Granite-4.0-H, Nemotron-H), alone and with streamed layers."""
     batches = [_batch()]
+    ids, mask, labels = batches[0]
+    out = make_model(family, mini_sequence_chunk=16).train()(input_ids=ids, attention_mask=mask, labels=labels)
+    assert (out.logits is None) == (REGISTRY[family].mini_sequence is not None)  # the chunked loss: no logits
     _assert_exact(_step(family, streaming, batches, mini_sequence_chunk=16), family, streaming, batches,
                   mini_sequence_chunk=16)
     assert bool(streamed_calls) == (streaming is not None)

@@ -230,15 +230,17 @@ FAMILIES = {
                                "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                "moe_shared_expert_intermediate_size": 16}),
     # LFM2 (`lfm2`) and LFM2-MoE (`lfm2_moe`): short gated convolutions (`conv`, a conv state only) beside attention
-    # layers; LFM2-MoE's MoE blocks record their router logits (no aux loss in its head). Tiny: a conv layer, then an
-    # attention layer; LFM2-MoE with 4 experts of 16, top-2, no dense layers.
-    "lfm2": Family("LFM2", "Lfm2Config", "Lfm2ForCausalLM", None, _ATTENTION, streaming_recurrent="conv",
+    # layers; LFM2-MoE's MoE blocks record their router logits (no aux loss in its head). LM head + loss by
+    # mini-sequences (patch 0004), as OLMo-Hybrid's and Kimi-Linear's. Tiny: a conv layer, then an attention layer;
+    # LFM2-MoE with 4 experts of 16, top-2, no dense layers.
+    "lfm2": Family("LFM2", "Lfm2Config", "Lfm2ForCausalLM", "lm_head", _ATTENTION, streaming_recurrent="conv",
                    tiny={"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
-    "lfm2_moe": Family("LFM2-MoE", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", None, _ATTENTION, streaming_recurrent="conv",
+    "lfm2_moe": Family("LFM2-MoE", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", "lm_head", _ATTENTION,
+                       streaming_recurrent="conv",
                        tiny={"layer_types": ["conv", "full_attention"], "num_dense_layers": 0, "num_experts": 4,
                              "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
     # OLMo-Hybrid (`olmo_hybrid`): Gated DeltaNet layers (`linear_attn`) beside attention layers. Tiny: one of each.
-    "olmo_hybrid": Family("OLMo-Hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", None, _ATTENTION,
+    "olmo_hybrid": Family("OLMo-Hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", "lm_head", _ATTENTION,
                           streaming_recurrent="linear_attn",
                           tiny={"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
                                 "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
@@ -246,7 +248,7 @@ FAMILIES = {
     # Kimi-Linear (`kimi_linear`): Kimi Delta Attention layers and latent-attention (MLA) layers, both under
     # `self_attn` (told apart by the layer's `block_type`), MoE blocks with a shared expert recording their router
     # logits (no aux loss in its head). Tiny: one layer of each kind, DeepSeek-V3-style experts (4, top-2, 2 groups).
-    "kimi_linear": Family("Kimi-Linear", "KimiLinearConfig", "KimiLinearForCausalLM", None, _ATTENTION,
+    "kimi_linear": Family("Kimi-Linear", "KimiLinearConfig", "KimiLinearForCausalLM", "lm_head", _ATTENTION,
                           streaming_recurrent="self_attn",
                           tiny={**_TINY_LATENT, "layer_types": ["linear_attention", "full_attention"],
                                 "mlp_layer_types": ["sparse", "sparse"], "linear_num_heads": 4, "linear_head_dim": 8,
