@@ -55,6 +55,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 import host_cost
+import hybrid_bench
 import transformers
 from transformers.adjoint_sharding import shard_tokens
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -693,7 +694,8 @@ def write(rows, out, name, header):
 
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming", "mamba", "compile", "host"])
+    parser.add_argument("sweep", choices=["methods", "blocks", "families", "streaming", "mamba", "compile", "host",
+                                          "hybrids"])
     parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="for `methods` and `compile`")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="for `methods` and `compile`")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), help="for `families`")
@@ -746,7 +748,7 @@ def main(argv=None):
     args.dtype = getattr(torch, args.dtype)
     args.seq = args.seq or {"methods": [1024, 2048, 4096, 8192], "blocks": [2048, 8192], "families": [4096],
                            "streaming": [4096], "mamba": [512, 1024, 2048, 4096, 8192], "compile": [4096],
-                           "host": [host_cost.SEQ_LEN]}[args.sweep]  # (streaming has its own --*-seq options)
+                           "host": [host_cost.SEQ_LEN], "hybrids": [8192, 16384]}[args.sweep]  # (streaming has its own --*-seq options)
     if any(s < 2 for s in args.seq) or args.repeats < 1:
         parser.error("--seq values must be >= 2 and --repeats >= 1")
     if min(args.truncation, args.upstream_repeats, args.shard_seq, args.fake_check_seq, *args.shards, *args.fake_seq) < 1:
@@ -818,6 +820,14 @@ def main(argv=None):
             parser.error(f"the host sweep counts a fixed CPU setup (--device cpu, {host_cost.SEQ_LEN} tokens)")
         rows = host_cost.sweep_host(repeats=args.repeats)
         write(rows, args.out, "host", host_cost.header())
+    elif args.sweep == "hybrids":
+        if device.type != "cpu":
+            parser.error("the hybrids sweep measures the CPU torch path (--device cpu)")
+        runs = len(args.seq) * sum(len(hybrid_bench.METHODS) - (m in hybrid_bench.NO_MINI_SEQUENCES)
+                                   for m in hybrid_bench.MODELS)
+        with tqdm(total=runs, desc="hybrids", file=sys.stderr) as progress:
+            rows = hybrid_bench.sweep_hybrids(args.seq, args.repeats, progress=progress)
+        write(rows, args.out, "hybrids", hybrid_bench.header(args.repeats))
     elif args.sweep == "compile":
         rows = sweep_compile(args, device)
         header = header.replace(" (live tensor bytes + weights and optimizer states)", "")

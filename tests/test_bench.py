@@ -137,3 +137,23 @@ def test_profiler_peak_equals_live_tensor_peak_for_an_eager_step():
         trainee.step()
     profiled = bench.peak_above_start_bytes(trainee)
     assert abs(profiled - tracker.peak_bytes) <= 0.01 * tracker.peak_bytes, (profiled, tracker.peak_bytes)
+
+
+def test_hybrids_sweep(tmp_path):
+    """`bench.py hybrids`: every model and method at each length, checkpointing's speed ratio 1.0 in the same run; at
+    a length where a streamed chunk is a fraction of the sequence, the streamed steps hold less than checkpointing."""
+    bench = str(REPO / "scripts" / "bench.py")
+    result = run_py([bench, "hybrids", "--seq", "2048", "--repeats", "1", "--out", str(tmp_path), "--device", "cpu"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = read_csv(tmp_path / "hybrids.csv")
+    assert [(r["model"], r["method"]) for r in rows] == [
+        ("gated_deltanet", "checkpointing"), ("gated_deltanet", "streaming"), ("gated_deltanet", "both"),
+        ("qwen3_next", "checkpointing"), ("qwen3_next", "streaming"), ("qwen3_next", "both"),
+        ("granite_h", "checkpointing"), ("granite_h", "streaming")]
+    checkpointed = {r["model"]: float(r["peak_MiB"]) for r in rows if r["method"] == "checkpointing"}
+    for r in rows:
+        assert float(r["step_time_s"]) > 0 and float(r["inputs_MiB"]) == 4.0
+        if r["method"] == "checkpointing":
+            assert float(r["speed_vs_checkpointing"]) == 1.0
+        else:
+            assert float(r["peak_MiB"]) < checkpointed[r["model"]], r
