@@ -28,7 +28,7 @@ def _config_for_layers(model) -> None:
     Mamba layers), for `recurrent.layer_config`. An inner model (a composite's text model) runs this first: its
     config stays."""
     from ..modeling_layers import GradientCheckpointingLayer
-    from .recurrent import layer_config
+    from .parts import layer_config
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for module in model.modules():

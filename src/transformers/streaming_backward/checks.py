@@ -4,6 +4,7 @@ import torch
 
 from ..mst_core.fields import STREAMING_FIELD
 from .masks import masks_offset_chunk_itself
+from .parts import attention_module
 from .router import HANDLED_OUTPUTS
 
 
@@ -14,8 +15,6 @@ SUPPORTED_ATTENTION = ("sdpa", "eager", FLASH_ATTENTION)
 def check_attention_call(layer, mask, batch: int, seq_len: int) -> bool:
     """Raise unless the layer's attention can run offset query chunks with this mask; returns whether its
     attention function masks an offset chunk itself (masks.masks_offset_chunk_itself)."""
-    from .recurrent import attention_module
-
     attn = attention_module(layer)
     config = attn.config
     implementation = config._attn_implementation
@@ -69,8 +68,6 @@ def check_cache_is_empty(layer, cache) -> None:
     replaces: a training forward with the default `use_cache=True` returns the (empty) cache the model made, without
     the whole sequence's keys and values (their memory is what streaming saves). Cached tokens from an earlier call
     would be silently not attended to: refused."""
-    from .recurrent import attention_module
-
     cached = cache.get_seq_length(attention_module(layer).layer_idx) if cache is not None else 0
     if cached:
         raise ValueError(

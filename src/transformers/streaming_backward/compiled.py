@@ -38,12 +38,11 @@ import weakref
 
 import torch
 
-from ..mst_core.families import FAMILIES
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.wrappers import is_plain_parameter
 from . import router
 from .offload import offload_requested
-from .recurrent import layer_config
+from .parts import returned
 
 
 _KEYS = itertools.count()
@@ -289,6 +288,4 @@ def traced_call(layer, args, kwargs):
     tensors, text = encoded
     out, logits, _ = streamed_layer(hidden, tensors, params, key, text)
     out = router.hand_over((out, logits) if router_logits is not None else out)
-    # A layer whose own forward returns a tuple (Bamba's: hidden states, attention weights), as its model unpacks it
-    returns = getattr(FAMILIES.get(getattr(layer_config(layer), "model_type", None)), "streaming_layer_returns", 1)
-    return out if returns == 1 else (out, *(None,) * (returns - 1))
+    return returned(layer, out)

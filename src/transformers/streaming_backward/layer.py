@@ -59,7 +59,7 @@ from .checks import (
     check_cache_is_empty,
     check_captured_outputs,
 )
-from . import recurrent, router
+from . import parts, recurrent, router
 from .config import streaming_chunk_size
 from .masks import (
     FLASH_VARLEN_KWARGS,
@@ -88,9 +88,9 @@ def applies(layer) -> bool:
     not one the registry excepts (`streaming_unless`: Gemma-4's K/V shared across layers).
     A layer of another family (the field set on it by `from_pretrained` or a config.json) is not streamed: the
     model warned at construction that the field is ignored (mst_core/model_checks.py)."""
-    config = getattr(recurrent.attention_module(layer), "config", None)
-    if config is None and recurrent.recurrent_mixer(layer) is not None:  # a recurrent layer (Mamba2Block, linear_attn)
-        config = recurrent.layer_config(layer)
+    config = getattr(parts.attention_module(layer), "config", None)
+    if config is None and parts.recurrent_mixer(layer) is not None:  # a recurrent layer (Mamba2Block, linear_attn)
+        config = parts.layer_config(layer)
     if getattr(config, STREAMING_FIELD, None) is None or not (layer.training and torch.is_grad_enabled()):
         return False
     return getattr(config, "model_type", None) in STREAMING_MODEL_TYPES and streaming_refusal(config) is None
@@ -107,11 +107,10 @@ class StreamedCall:
 
     def __init__(self, forward, layer, arguments, cache_name, records_router_logits=False):
         self.forward, self.layer, self.cache_name = forward, layer, cache_name
-        attn = recurrent.attention_module(layer)
+        attn = parts.attention_module(layer)
         config = attn.config
         hidden_states = arguments.pop("hidden_states")
         self.batch, self.seq_len = hidden_states.shape[:2]
-        self.returned_tuple = None  # the length of the layer's own tuple result (Bamba's), seen by `call`
         implementation = config._attn_implementation
         mask = arguments.pop("attention_mask", None)
         self.bottom_right = check_attention_call(layer, mask, self.batch, self.seq_len)
@@ -219,8 +218,8 @@ class StreamedCall:
         if not cache.updated:
             raise self._not_streamable()
         self.keys_dtype = cache.keys_dtype
-        if isinstance(out, tuple):
-            self.returned_tuple, out = len(out), out[0]
+        if isinstance(out, tuple):  # Bamba's (hidden states, attention weights): parts.returned gives it back
+            out = out[0]
         logits = router.chunk_logits(collected, self.layer, self.batch, end - start)
         return (out,) if logits is None else (out, logits)
 
@@ -521,7 +520,7 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward). While torch.compile
     traces, one operator of the graph where the call allows it (compiled.py), else the eager call (one graph break).
     A recurrent layer (the registry's `streaming_recurrent`) streams through its state (recurrent.py)."""
-    if recurrent.recurrent_mixer(layer) is not None:
+    if parts.recurrent_mixer(layer) is not None:
         return _recurrent_eager_forward(forward, layer, *args, **kwargs)
     if torch.compiler.is_compiling():
         from . import compiled
@@ -565,9 +564,9 @@ def prepared_call(forward, layer, args, kwargs):
 def skip_and_record_projections(streamed, layer):
     """On the Function's path (not under a wrapper's hooks, where every module runs as upstream's): the query
     projection the K/V passes skip and the projections whose outputs they record (cache.py, projections.py)."""
-    streamed.query_projection = discardable_query_projection(recurrent.attention_module(layer))
+    streamed.query_projection = discardable_query_projection(parts.attention_module(layer))
     streamed.recorded_projections = RecordedProjections(
-        recordable_projections(recurrent.attention_module(layer), skipped=streamed.query_projection)
+        recordable_projections(parts.attention_module(layer), skipped=streamed.query_projection)
     )
 
 
@@ -587,7 +586,7 @@ def _eager_forward(forward, layer, *args, **kwargs):
     (11 against 5 on a 2-layer Llama at 2K tokens) and a slower step (docs/limits.md)."""
     streamed, hidden_states = prepared_call(forward, layer, args, kwargs)
     # as many values as the layer's own forward returns (Bamba's: a tuple)
-    return recurrent.returned(streamed, router.hand_over(_streamed_outputs(streamed, layer, hidden_states)))
+    return parts.returned(layer, router.hand_over(_streamed_outputs(streamed, layer, hidden_states)))
 
 
 def _streamed_outputs(streamed, layer, hidden_states):
@@ -599,7 +598,7 @@ def _streamed_outputs(streamed, layer, hidden_states):
     if params is None:
         # ZeRO-3 leaf modules (MoE blocks) run once per chunk here; DeepSpeed reduces their weights once per call.
         # Its K/V passes skip the query projection, as the Function's do: q_proj sees each token twice a step.
-        streamed.query_projection = discardable_query_projection(recurrent.attention_module(layer), hooks_run=True)
+        streamed.query_projection = discardable_query_projection(parts.attention_module(layer), hooks_run=True)
         with leaf_gradients_queued_once(layer):
             if storage is None:
                 return _forward_with_checkpoints(streamed, hidden_states)

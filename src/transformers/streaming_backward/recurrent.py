@@ -24,7 +24,6 @@ import contextlib
 import torch
 
 from ..mst_core.chunks import one_streamed_chunk, policy_device_type
-from ..mst_core.families import FAMILIES
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
@@ -34,6 +33,7 @@ from . import router
 from .checks import check_captured_outputs
 from .config import streaming_chunk_size
 from .offload import KeptInput, SavedInput, input_storage
+from .parts import layer_config, recurrent_mixer, returned  # noqa: F401 (layer_config: tests, __init__)
 from .rows import slice_rows
 from .wrappers import layer_parameters
 
@@ -98,7 +98,6 @@ class RecurrentCall:
                 "recurrent layer does not take yet: each chunk's scan would read the whole sequence's boundaries. "
                 "Pad the sequences instead of packing them, or unset the field."
             )
-        self.returned_tuple = None  # the length of the layer's own tuple result (Bamba's), seen by `call`
         config = layer_config(layer)
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
@@ -123,8 +122,8 @@ class RecurrentCall:
                 f"{STREAMING_FIELD}: {type(self.layer).__name__} cannot be streamed: its mixer never read its state "
                 "from the cache (`get_conv_state` / `get_recurrent_state`). Unset the field for this model."
             )
-        if isinstance(out, tuple):
-            self.returned_tuple, out = len(out), out[0]
+        if isinstance(out, tuple):  # Bamba's (hidden states, attention weights): parts.returned gives it back
+            out = out[0]
         return out, router.chunk_logits(collected, self.layer, self.batch, end - start)
 
 
@@ -257,7 +256,7 @@ def recurrent_forward(forward, layer, hidden_states, arguments, cache_name):
     collector = router.model_collector()
     check_captured_outputs(layer, collector)
     call = RecurrentCall(forward, layer, arguments, cache_name, hidden_states, router.recording(collector))
-    return returned(call, router.hand_over(_streamed_outputs(call, layer, hidden_states)))
+    return returned(layer, router.hand_over(_streamed_outputs(call, layer, hidden_states)))
 
 
 def _streamed_outputs(call, layer, hidden_states):
@@ -274,14 +273,6 @@ def _streamed_outputs(call, layer, hidden_states):
     return StreamedRecurrentFunction.apply(hidden_states, call, storage, *params)
 
 
-def returned(call, out):
-    """`out` as the layer's own forward returns it: Bamba's decoder layer returns (hidden states, attention weights),
-    which its model unpacks; the weights are never whole here (checks.check_captured_outputs refuses recording them):
-    None in their place."""
-    n = call.returned_tuple
-    return out if n is None else (out, *(None,) * (n - 1))
-
-
 def check_cache_has_no_state(layer, cache) -> None:
     """A streamed recurrent layer neither reads nor fills the cache (as checks.py's `check_cache_is_empty` for
     attention): a training forward with `use_cache=True` returns the model's empty cache; a state carried in from an
@@ -295,42 +286,3 @@ def check_cache_has_no_state(layer, cache) -> None:
             "which a streamed layer cannot continue from (streamed training forwards neither read nor fill a cache). "
             "Train without a cache, or unset the field."
         )
-
-
-def layer_config(layer):
-    """The model config a decoder layer was built from: its own (Mamba2's block keeps it), else its attention's or its
-    MLP / MoE block's (a hybrid's linear-attention layer keeps none of its own: Qwen3-Next's); None for a module
-    without one."""
-    for owner in (layer, getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
-        config = getattr(owner, "config", None)
-        if config is not None:
-            return config
-    # A layer keeping none (Bamba's and Granite-4.0-H's Mamba layers): the model's, set at construction (__init__.py)
-    return getattr(layer, "_streaming_config", None)
-
-
-def recurrent_mixer(layer):
-    """The recurrent mixer module of `layer` (the registry's `streaming_recurrent` attribute), or None: Mamba2's
-    `mixer`, a hybrid's `linear_attn` (absent on its attention layers)."""
-    family = FAMILIES.get(getattr(layer_config(layer), "model_type", None))
-    name = getattr(family, "streaming_recurrent", None)
-    # A hybrid keeping every block's mixer under that one attribute (Nemotron-H's `mixer`: Mamba2, attention, MLP or
-    # MoE, by the block's `block_type`): its linear-attention blocks only.
-    if name is None or getattr(layer, "block_type", "linear_attention") != "linear_attention":
-        return None
-    # A recurrent mixer keeps a conv state (`conv_kernel_size`, handed to `update_conv_state`): not LFM2's
-    # `Lfm2ShortConv` asked about itself (its own config, and an `nn.Conv1d` under the registry's name `conv`).
-    mixer = getattr(layer, name, None)
-    return mixer if hasattr(mixer, "conv_kernel_size") else None
-
-
-def attention_module(layer):
-    """The attention module of `layer` that meets the K/V cache: `self_attn`, else a hybrid block's mixer where it is
-    attention (Nemotron-H's `mixer` on its "full_attention" blocks, the registry's `streaming_recurrent` attribute);
-    None for a layer without one."""
-    attn = getattr(layer, "self_attn", None)
-    if attn is None and getattr(layer, "block_type", None) == "full_attention":
-        family = FAMILIES.get(getattr(layer_config(layer), "model_type", None))
-        name = getattr(family, "streaming_recurrent", None)
-        attn = None if name is None else getattr(layer, name, None)
-    return attn

@@ -12,6 +12,7 @@ import torch
 
 from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook
 from ..mst_core.wrappers import function_parameters, is_plain_parameter
+from .parts import attention_module
 
 
 def layer_parameters(layer, mixer=None):
@@ -21,8 +22,6 @@ def layer_parameters(layer, mixer=None):
     Checked per child module rather than on the layer: transformers installs output-capturing hooks on decoder
     layers and attention modules (output_hidden_states), which only read the outputs.
     """
-    from .recurrent import attention_module
-
     attn = attention_module(layer) if mixer is None else mixer
     if foreign_attention_hooks(attn):
         return None

@@ -1,0 +1,55 @@
+"""Which parts of a decoder layer the streamed layer meets, found the same way by every module of the package
+(layer.py, recurrent.py, compiled.py, checks.py, wrappers.py): the layer's model config, its recurrent mixer, its
+attention module, and how many values its own forward returns. The registry (mst_core/families.py) names what
+differs by family."""
+
+from ..mst_core.families import FAMILIES
+
+
+def _family(layer):
+    return FAMILIES.get(getattr(layer_config(layer), "model_type", None))
+
+
+def layer_config(layer):
+    """The model config a decoder layer was built from: its own (Mamba2's block keeps it), else its attention's or its
+    MLP / MoE block's (a hybrid's linear-attention layer keeps none of its own: Qwen3-Next's); None for a module
+    without one."""
+    for owner in (layer, getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
+        config = getattr(owner, "config", None)
+        if config is not None:
+            return config
+    # A layer keeping none (Bamba's and Granite-4.0-H's Mamba layers): the model's, set at construction (__init__.py)
+    return getattr(layer, "_streaming_config", None)
+
+
+def recurrent_mixer(layer):
+    """The recurrent mixer module of `layer` (the registry's `streaming_recurrent` attribute), or None: Mamba2's
+    `mixer`, a hybrid's `linear_attn` (absent on its attention layers)."""
+    name = getattr(_family(layer), "streaming_recurrent", None)
+    # A hybrid keeping every block's mixer under that one attribute (Nemotron-H's `mixer`: Mamba2, attention, MLP or
+    # MoE, by the block's `block_type`): its linear-attention blocks only.
+    if name is None or getattr(layer, "block_type", "linear_attention") != "linear_attention":
+        return None
+    # A recurrent mixer keeps a conv state (`conv_kernel_size`, handed to `update_conv_state`): not LFM2's
+    # `Lfm2ShortConv` asked about itself (its own config, and an `nn.Conv1d` under the registry's name `conv`).
+    mixer = getattr(layer, name, None)
+    return mixer if hasattr(mixer, "conv_kernel_size") else None
+
+
+def attention_module(layer):
+    """The attention module of `layer` that meets the K/V cache: `self_attn`, else a hybrid block's mixer where it is
+    attention (Nemotron-H's `mixer` on its "full_attention" blocks, the registry's `streaming_recurrent` attribute);
+    None for a layer without one."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None and getattr(layer, "block_type", None) == "full_attention":
+        name = getattr(_family(layer), "streaming_recurrent", None)
+        attn = None if name is None else getattr(layer, name, None)
+    return attn
+
+
+def returned(layer, out):
+    """`out` as the layer's own forward returns it: Bamba's decoder layer returns (hidden states, attention weights),
+    which its model unpacks (the registry's `streaming_layer_returns`); the weights are never whole here
+    (checks.check_captured_outputs refuses recording them): None in their place."""
+    returns = getattr(_family(layer), "streaming_layer_returns", 1)
+    return out if returns == 1 else (out, *(None,) * (returns - 1))
