@@ -149,3 +149,19 @@ def test_cuda_ab_imports_the_build_it_names(tmp_path):
     report = json.loads((tmp_path / "out" / "policy_mlp_chunk_4096" / "cuda_check_128.json").read_text())
     assert report["overrides"] == {"mlp_chunk": 4096}
     assert [row["method"] for row in report["steps"]] == ["mini_sequence+checkpointing"]
+
+
+def test_hybrid_cuda_exactness_runs_on_cpu(tmp_path):
+    """scripts/hybrid_cuda.py's part 1 (the hybrids' exactness on a GPU), narrower, on the CPU with upstream's
+    reference scans: the streamed fp32 step against the unsplit one, bf16 as upstream's, no gradient missing."""
+    out = tmp_path / "hybrid.json"
+    result = run_py([str(REPO / "scripts" / "hybrid_cuda.py"), "--exactness", "--exactness-seq", "260", "--hidden",
+                     "128", "--json", str(out)])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["kernels"]["fla"] is None
+    assert set(report["exactness"]) == {"qwen3_5_text", "kimi_linear"}
+    for name, rows in report["exactness"].items():
+        assert not any(row["parameters_without_gradient"] for row in rows.values()), name
+        assert rows["ours_fp32"]["loss_relative_error"] < 1e-6 and rows["ours_fp32"]["gradient_error"] < 5e-4, name
+        assert rows["ours_bf16"]["gradient_error"] < 1.5 * rows["upstream_bf16"]["gradient_error"], name

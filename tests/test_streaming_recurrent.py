@@ -125,7 +125,7 @@ def test_exact_against_the_unsplit_step(family, chunk, streamed_calls, monkeypat
 @pytest.mark.parametrize("streaming", [None, 7])
 def test_with_mini_sequences(family, streaming, streamed_calls):
     """mini_sequence_chunk (the LM head + loss by chunks of 16; warned about as ignored where the family has no
-    mini-sequence path: Bamba, Granite-4.0-H, Nemotron-H), alone and with streamed layers."""
+    mini-sequence path: Granite-4.0-H), alone and with streamed layers."""
     batches = [_batch()]
     ids, mask, labels = batches[0]
     out = make_model(family, mini_sequence_chunk=16).train()(input_ids=ids, attention_mask=mask, labels=labels)
@@ -133,6 +133,30 @@ def test_with_mini_sequences(family, streaming, streamed_calls):
     _assert_exact(_step(family, streaming, batches, mini_sequence_chunk=16), family, streaming, batches,
                   mini_sequence_chunk=16)
     assert bool(streamed_calls) == (streaming is not None)
+
+
+def test_bamba_z_loss_keeps_the_unsplit_head(caplog):
+    """Bamba's z-loss (`z_loss_coefficient`) is over the whole logits: with it on, the head and loss run upstream's
+    unsplit lines, warned, and the step (streamed layers included) is upstream's, z-loss and all."""
+    import logging
+
+    batches = [_batch()]
+    ids, mask, labels = batches[0]
+    with caplog.at_level(logging.WARNING):
+        out = make_model("bamba", mini_sequence_chunk=16, z_loss_coefficient=0.37).train()(
+            input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is not None and "z_loss_coefficient=0.37 adds a z-loss" in caplog.text
+    plain = make_model("bamba").train()(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert out.loss.item() > plain.item()  # the z-loss term is in it
+    fields = dict(mini_sequence_chunk=16, z_loss_coefficient=0.37)
+
+    @functools.cache
+    def in_fp64():
+        with fp64_throughout("bamba"):
+            return (_step("bamba", 7, batches, dtype=torch.float64, **fields),
+                    _step("bamba", None, batches, dtype=torch.float64, z_loss_coefficient=0.37))
+
+    _assert_close(_step("bamba", 7, batches, **fields), _step("bamba", None, batches, z_loss_coefficient=0.37), in_fp64)
 
 
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))

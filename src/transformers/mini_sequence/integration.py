@@ -108,7 +108,8 @@ def computes_loss(model, labels) -> bool:
     Only in training mode with labels: in eval and generation the logits are what callers want
     (metrics, sampling), so the upstream path runs. A model whose loss function was replaced
     keeps the upstream path too, with a warning, since the chunked loss is ForCausalLMLoss's.
-    So does a batch that would be one LM-head chunk: splitting nothing saves nothing, and the
+    So does a model adding a z-loss (Bamba's `z_loss_coefficient`), warned likewise, and a batch that would be one
+    LM-head chunk: splitting nothing saves nothing, and the
     chunked path's fp32 [V, d] gradient buffer would put its peak above upstream's.
     """
     config = _text_config(model)
@@ -116,6 +117,13 @@ def computes_loss(model, labels) -> bool:
         return False
     num_tokens = labels.numel()
     if lm_head_chunk_size(config.mini_sequence_chunk, config.hidden_size, config.vocab_size, num_tokens) >= num_tokens:
+        return False
+    if getattr(model, "z_loss_coefficient", 0):  # Bamba's: a term over the whole [B, S, V] logits
+        logger.warning_once(
+            f"{type(model).__name__}: mini_sequence_chunk is set but z_loss_coefficient={model.z_loss_coefficient} "
+            "adds a z-loss over the whole logits, which the chunked loss does not compute; the LM head and loss run "
+            "unsplit. Set z_loss_coefficient=0 to chunk them."
+        )
         return False
     if model.loss_function is not ForCausalLMLoss:
         logger.warning_once(

@@ -202,15 +202,18 @@ FAMILIES = {
     "mamba2": Family("Mamba2", "Mamba2Config", "Mamba2ForCausalLM", "lm_head", streaming_recurrent="mixer",
                      tiny={"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 8}),
     # Mamba2 mixers beside attention layers, each layer one or the other (the recurrent ones' mixer `mamba`, found
-    # without a config of its own: streaming_backward/__init__.py gives it the model's). No mini-sequence path yet.
-    # Bamba (`bamba`): dense MLPs; its layers return (hidden states, attention weights). Tiny: a Mamba2 layer (4 heads
-    # of 16, state 8, one group, scan blocks of 8) then an attention layer.
-    "bamba": Family("Bamba", "BambaConfig", "BambaForCausalLM", None, _ATTENTION, streaming_recurrent="mamba",
+    # without a config of its own: streaming_backward/__init__.py gives it the model's).
+    # Bamba (`bamba`): dense MLPs; its layers return (hidden states, attention weights). LM head + loss by
+    # mini-sequences (patch 0004) unless its z-loss is on (`z_loss_coefficient`: over the whole logits; the head then
+    # runs unsplit, warned: mini_sequence/integration.py `computes_loss`). Tiny: a Mamba2 layer (4 heads of 16, state
+    # 8, one group, scan blocks of 8) then an attention layer.
+    "bamba": Family("Bamba", "BambaConfig", "BambaForCausalLM", "lm_head", _ATTENTION, streaming_recurrent="mamba",
                     streaming_layer_returns=2,
                     tiny={"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_chunk_size": 8,
                           "mamba_n_groups": 1}),
     # Granite-4.0-H (`granitemoehybrid`): Bamba's layers with a MoE block (routed experts and a shared MLP) in each,
-    # the router's aux loss. Tiny: 4 experts of 16, top-2, a shared MLP of 64, the aux loss weighted 1.0; RoPE.
+    # the router's aux loss. No mini-sequence path: its head divides the logits by `logits_scaling`, which the chunked
+    # loss does not take. Tiny: 4 experts of 16, top-2, a shared MLP of 64, the aux loss weighted 1.0; RoPE.
     "granitemoehybrid": Family("Granite-4.0-H", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", None,
                                _ATTENTION, streaming_recurrent="mamba",
                                tiny={"layer_types": ["linear_attention", "full_attention"], "intermediate_size": 16,
@@ -221,8 +224,9 @@ FAMILIES = {
     # Nemotron-H (`nemotron_h`): blocks of one kind each (`layers_block_type`: a Mamba2 mixer, attention, an MLP or a
     # MoE block with a shared expert), every one under the attribute `mixer`: the Mamba2 blocks stream through their
     # state, the attention blocks by query chunks, the MLP and MoE blocks run as upstream's (token by token: nothing
-    # to stream). Router logits recorded, no aux loss in its head. Tiny: one block of each kind.
-    "nemotron_h": Family("Nemotron-H", "NemotronHConfig", "NemotronHForCausalLM", None, _ATTENTION,
+    # to stream). Router logits recorded, no aux loss in its head; LM head + loss by mini-sequences (patch 0004: its
+    # head's fp32 logits are what the chunked loss computes in). Tiny: one block of each kind.
+    "nemotron_h": Family("Nemotron-H", "NemotronHConfig", "NemotronHForCausalLM", "lm_head", _ATTENTION,
                          streaming_recurrent="mixer",
                          tiny={"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
                                "num_hidden_layers": 4, "head_dim": 8, "ssm_state_size": 8, "mamba_num_heads": 4,
