@@ -95,6 +95,9 @@ FAMILIES = {
     "olmo3": {"eos_token_id": 2, "sliding_window": 512},
     "smollm3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     "ministral3": {},
+    # Granite 3.x: muP multipliers, logits divided by IBM's 3.x scale of 8.
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.015625,
+                "logits_scaling": 8.0},
     # Gemma-4 text: per-layer inputs of 64 (their vocabulary BASE's), full-attention heads of 64, sliding windows.
     "gemma4_text": {"head_dim": 64, "global_head_dim": 64, "sliding_window": 512, "hidden_size_per_layer_input": 64,
                     "vocab_size_per_layer_input": 32000},

@@ -139,17 +139,17 @@ def test_random_setup_exact(trial):
 
 def test_random_setups_catch_a_planted_error(monkeypatch):
     """The check above can fail: with a 0.1% error planted in the mini-sequence MLP's later chunks, the trials that
-    split an MLP fail (measured over the default 100: 45 fail; in the streamed layer's dK/dV sums, 27; in the adjoint
-    scan's A gradient, 6)."""
+    split an MLP fail (measured over the default 100: 30 fail since Granite joined the draws, 45 before; in the streamed
+    layer's dK/dV sums, 27; in the adjoint scan's A gradient, 6)."""
     from transformers.mini_sequence import mlp
 
     real = mlp._chunk_grad
     monkeypatch.setattr(mlp, "_chunk_grad", lambda grad, index, batch_shape, start, end: real(
         grad, index, batch_shape, start, end) * (1.001 if start > 0 else 1.0))
     caught = 0
-    for trial in range(30):  # 10 of them fail at the default seed
+    for trial in range(60):  # 16 of them fail at the default seed
         try:
             test_random_setup_exact(trial)
         except AssertionError:
             caught += 1
-    assert caught >= 5, f"only {caught} of 30 trials saw the planted error"
+    assert caught >= 8, f"only {caught} of 60 trials saw the planted error"

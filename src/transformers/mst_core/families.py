@@ -91,6 +91,13 @@ FAMILIES = {
                                                    "original_max_position_embeddings": 8, "beta_fast": 32.0,
                                                    "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                                                    "llama_4_scaling_beta": 0.1}}),
+    # Granite 3.x (`granite`): Llama's layers with muP multipliers (embeddings, residuals, attention scale) and a head
+    # dividing its logits by `logits_scaling`; the chunked loss takes the hidden states so divided (patch 0004: the
+    # head has no bias, so the logits are the same, to one rounding of the hidden states where the scale is not a
+    # power of two). Tiny: every multiplier away from 1, a scale of 3.
+    "granite": Family("Granite", "GraniteConfig", "GraniteForCausalLM", "mlp", _ATTENTION,
+                      tiny={"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
+                            "logits_scaling": 3.0}),
     # Gemma-4 text (`Gemma4ForCausalLM`): Gemma-3's layers plus per-layer input embeddings, K/V shared across the last
     # layers (E2B, E4B), and on 26B-A4B a MoE block beside the MLP (not chunked). Streamed: a layer's per-layer input
     # is a row input of the streamed layer (its gradient summed chunk by chunk, streaming_backward/layer.py). Not where
