@@ -62,7 +62,8 @@ def qwen3_5(**fields):
 
 
 def kimi_linear(**fields):
-    sizes = dict(hidden_size=HIDDEN, intermediate_size=3 * HIDDEN, moe_intermediate_size=HIDDEN // 2, num_hidden_layers=4,
+    sizes = dict(hidden_size=HIDDEN, intermediate_size=3 * HIDDEN, moe_intermediate_size=HIDDEN // 2,
+                 num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=8, linear_num_heads=8, linear_head_dim=128,
                  kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, num_experts=8,
                  num_experts_per_token=2, vocab_size=32000, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -180,14 +181,16 @@ def main():
     HIDDEN = args.hidden
     if args.no_tf32:
         torch.backends.cudnn.allow_tf32 = False
-    report = dict(cudnn_allow_tf32=torch.backends.cudnn.allow_tf32, device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__, transformers=transformers.__version__,
-                  kernels=fla_kernels())
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    report = dict(cudnn_allow_tf32=torch.backends.cudnn.allow_tf32, device=device, torch=torch.__version__,
+                  transformers=transformers.__version__, kernels=fla_kernels())
     print(json.dumps(report), flush=True)
     if args.require_fla and not report["kernels"]["fla"]:
         raise SystemExit("flash-linear-attention is not importable here: upstream would run its reference scans")
     if args.exactness:
-        report["exactness"] = {name: exactness(name, factory, args.exactness_seq, min(1000, args.exactness_seq // 4)) for name, factory in
-                               (("qwen3_5_text", qwen3_5), ("kimi_linear", kimi_linear))}
+        chunk = min(1000, args.exactness_seq // 4)
+        report["exactness"] = {name: exactness(name, factory, args.exactness_seq, chunk)
+                               for name, factory in (("qwen3_5_text", qwen3_5), ("kimi_linear", kimi_linear))}
     if args.seq:
         report["steps"] = steps(args.seq, args.methods, args.repeats)
     with open(args.json, "w") as file:

@@ -1,6 +1,6 @@
 """What `mini_sequence_chunk` adds to streaming on the hybrids whose LM head + loss it chunks since 5.24.0+mst.31
-(Nemotron-H, Bamba): the live tensor bytes of one training step, streamed alone and with mini-sequences, at their
-checkpoints' vocabulary sizes (the [S, V] logits are what the field removes). CPU, fp32, batch 1, d = 256, "auto"
+(Nemotron-H, Bamba, Granite-4.0-H): the live tensor bytes of one training step, streamed alone and with
+mini-sequences, at their checkpoints' vocabulary sizes (the [S, V] logits are what the field removes). CPU, fp32, batch 1, d = 256, "auto"
 for each field set; peak: `LiveTensorTracker` (the step's own tensors, not the weights), the step after an untimed
 one. CHANGELOG.md (mst.31) quotes `--seq 4096 8192`.
 """
@@ -26,6 +26,15 @@ MODELS = {
               dict(vocab_size=128000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                    attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
                    mamba_d_head=64, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=256)),
+    # Granite-4.0-H: a Mamba2 layer, then an attention layer, each with a MoE block (4 experts, top-2) and a shared
+    # MLP; Granite-4.0's vocabulary of 100352
+    "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM,
+                         dict(vocab_size=100352, hidden_size=256, intermediate_size=128, shared_intermediate_size=512,
+                              num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                              num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=16,
+                              mamba_n_groups=1, mamba_chunk_size=256, position_embedding_type="rope",
+                              max_position_embeddings=1 << 20)),
 }
 METHODS = {"streaming": dict(streaming_backward_chunk="auto"),
            "streaming+mini_sequence": dict(streaming_backward_chunk="auto", mini_sequence_chunk="auto")}

@@ -16,7 +16,8 @@ import pytest
 import torch
 import transformers
 from conftest import run_py
-from tiny_models import COMMON, MOE_FAMILIES, NEW_FAMILIES, NO_AUX_LOSS, UNTRAINED_UPSTREAM, make_config, make_model
+from tiny_models import (COMMON, MOE_FAMILIES, NEW_FAMILIES, NO_AUX_LOSS, REGISTRY, UNTRAINED_UPSTREAM, make_config,
+                        make_model)
 from test_streaming import flash_reference  # noqa: F401  (a pytest fixture)
 from transformers.mini_sequence import lm_head_chunk_size
 
@@ -174,7 +175,8 @@ def test_exact_with_gradient_checkpointing(family):
     assert_same_step(results[1], results[0])
 
 
-@pytest.mark.parametrize("family", sorted(set(NEW_FAMILIES) - set(MOE_FAMILIES)) + ["qwen3_moe"])
+@pytest.mark.parametrize("family", sorted(f for f in NEW_FAMILIES if REGISTRY[f].mini_sequence == "mlp")
+                         + ["qwen3_moe"])
 def test_mlp_body_runs_per_mini_sequence(family, monkeypatch):
     """The MLP's own upstream forward runs once per chunk (nothing re-spelled): every Linear of the MLP sees at
     most `chunk` tokens per row, and the down projection sees every token once per forward and once per backward.
@@ -710,12 +712,13 @@ def assert_same_aux_loss(family, out, ref):
         assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", MOE_FAMILIES + ("granitemoe", "granitemoeshared"))
 @pytest.mark.parametrize("chunk", [1, 7, "auto"], ids=str)
 def test_moe_exact_with_router_aux_loss(family, chunk):
     """output_router_logits=True: the loss (LM loss + 1.0 * load-balancing loss over the padded batch's mask), the
     aux loss, each layer's router logits (whole, in upstream's (batch, position) order) and every gradient, the
-    routers' included, as the unsplit blocks give."""
+    routers' included, as the unsplit blocks give. GraniteMoE's blocks run unsplit (only its head is chunked), its
+    aux loss added to the chunked loss by upstream's lines."""
     inputs = batch(zlib.crc32(f"moe/{family}/{chunk}".encode()) % 1000)
     reference = train_step(make_model(family), *inputs, output_router_logits=True)
     result = train_step(make_model(family, mini_sequence_chunk=chunk), *inputs, output_router_logits=True)

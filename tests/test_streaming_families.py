@@ -19,7 +19,7 @@ CHUNKS = [1, 7, SEQ - 1, SEQ + 5]
 GENERIC_FAMILIES = {f: NEW_FAMILIES[f] for f in ("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss",
                                                  "olmo3", "smollm3", "ministral3", "olmoe", "deepseek_v2",
                                                  "deepseek_v3", "glm4_moe", "glm4_moe_lite", "llama4_text",
-                                                 "gemma4_text", "granite")}
+                                                 "gemma4_text", "granite", "granitemoe", "granitemoeshared")}
 # Upstream has no SDPA path for these (Gemma-2: soft-capped attention; GPT-OSS: sinks), and GPT-OSS's
 # FlashAttention needs a kernel with sinks (flash-attn has none): eager only.
 EAGER_ONLY = {"gemma2", "gpt_oss"}
@@ -421,7 +421,8 @@ def test_plain_causal_sdpa_uses_the_lower_right_bias(family, path, monkeypatch):
 
 
 MOE_FAMILIES = [("mixtral", "sdpa"), ("qwen3_moe", "sdpa"), ("gpt_oss", "eager"), ("olmoe", "sdpa"),
-                ("deepseek_v3", "sdpa"), ("glm4_moe_lite", "eager"), ("llama4_text", "sdpa")]
+                ("deepseek_v3", "sdpa"), ("glm4_moe_lite", "eager"), ("llama4_text", "sdpa"), ("granitemoe", "sdpa"),
+                ("granitemoeshared", "eager")]
 
 
 @pytest.mark.parametrize(("family", "implementation"), MOE_FAMILIES)

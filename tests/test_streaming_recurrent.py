@@ -299,16 +299,18 @@ def _streamed_layer_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("family", HYBRID_MOE)
-@pytest.mark.parametrize("variant", ["function", "fallback"])
+@pytest.mark.parametrize("variant", ["function", "fallback", "both fields"])
 def test_hybrid_router_logits_and_aux_loss(family, variant, monkeypatch):
     """output_router_logits=True (the aux loss, weighted 1.0): every layer's MoE block records its router logits,
     the linear-attention layer's through the recurrent Function (or, under a wrapper's hooks, its checkpointed
     chunks), handed over whole with their graph; the loss, the aux loss, the logits and every gradient are
-    upstream's."""
+    upstream's. "both fields": with the LM head + loss by mini-sequences too, the aux loss added to the chunked
+    loss by upstream's lines."""
     batches = [_batch()]
+    fields = {"mini_sequence_chunk": 7} if variant == "both fields" else {}
 
     def step(chunk):
-        model = make_model(family, streaming_backward_chunk=chunk).train()
+        model = make_model(family, streaming_backward_chunk=chunk, **(fields if chunk is not None else {})).train()
         if variant == "fallback" and chunk is not None:
             for module in model.modules():
                 module.register_forward_pre_hook(lambda module, args: None)
@@ -320,6 +322,7 @@ def test_hybrid_router_logits_and_aux_loss(family, variant, monkeypatch):
     calls = _streamed_layer_calls(monkeypatch)
     (out, grads), (ref, ref_grads) = step(7), step(None)
     assert calls == ([] if variant == "fallback" else ["recurrent", "attention"])
+    assert (out.logits is None) == bool(fields and REGISTRY[family].mini_sequence)  # the chunked loss ran
     if family in NO_AUX_LOSS:
         assert ref.aux_loss is None and out.aux_loss is None
     else:
@@ -330,7 +333,7 @@ def test_hybrid_router_logits_and_aux_loss(family, variant, monkeypatch):
         assert got.shape == want.shape and got.requires_grad
         torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-6)
     _assert_exact((out.loss.detach()[None], grads), family, 7, batches, (ref.loss.detach()[None], ref_grads),
-                  hooks=variant == "fallback")
+                  hooks=variant == "fallback", **fields)
 
 
 @pytest.mark.parametrize("family", HYBRIDS)

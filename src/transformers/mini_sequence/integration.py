@@ -135,14 +135,28 @@ def computes_loss(model, labels) -> bool:
     return True
 
 
-def causal_lm_loss(model, hidden_states, labels, **kwargs):
+def causal_lm_loss(model, hidden_states, labels, *, logits_scaling=None, **kwargs):
     """The chunked loss of `causal_lm_output` where `computes_loss` holds, else None: for the MoE heads (Mixtral,
     Qwen3-MoE, GPT-OSS), whose upstream lines then add the router's auxiliary loss to it and build their own output.
     Patched as `loss = mini_sequence.causal_lm_loss(...)`, `logits = self.lm_head(h) if loss is None else None`,
-    `if labels is not None and logits is not None:` (upstream's loss)."""
+    `if labels is not None and logits is not None:` (upstream's loss). `logits_scaling`: as `causal_lm_output`'s."""
     if not computes_loss(model, labels):
         return None
+    hidden_states = _scaled(model, hidden_states, logits_scaling)
     return _chunked_loss(model, hidden_states, labels, _model_softcapping(model), **kwargs)
+
+
+def _scaled(model, hidden_states, logits_scaling):
+    """The hidden states whose logits are the head's logits divided by `logits_scaling` (Granite's heads): the same
+    for a head without bias, bit for bit where the scale is a power of two, else to one rounding of the division."""
+    if logits_scaling is None:
+        return hidden_states
+    if getattr(model.lm_head, "bias", None) is not None:
+        raise ValueError(
+            f"mini_sequence_chunk: {type(model).__name__}'s lm_head has a bias, so its logits divided by "
+            f"logits_scaling={logits_scaling} are not those of the hidden states so divided. Unset the field."
+        )
+    return hidden_states / logits_scaling
 
 
 def _model_softcapping(model):
@@ -169,18 +183,20 @@ def _chunked_loss(model, hidden_states, labels, final_logit_softcapping, **kwarg
 
 
 def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalLMOutputWithPast, *,
-                     final_logit_softcapping=_MODEL_CONFIG, **kwargs):
+                     final_logit_softcapping=_MODEL_CONFIG, logits_scaling=None, **kwargs):
     """Loss of `model.lm_head(hidden_states)` against `labels`, chunk by chunk; `logits` is None.
 
     Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
     num_items_in_batch) and, for Gemma-2/3/4, the logit softcap applied per chunk: `final_logit_softcapping`, by
-    default the model config's (`_model_softcapping`). The result
+    default the model config's (`_model_softcapping`); for Granite's heads, which divide the logits by
+    `logits_scaling`, the hidden states so divided (`_scaled`). The result
     is `output_class` with the base model's other outputs (its `cache`,
     hidden_states, attentions); a tuple `(loss, None, *outputs[1:])` when the base model returned a
     tuple (Mamba with `return_dict=False`), where upstream puts the logits second.
     """
     if final_logit_softcapping is _MODEL_CONFIG:
         final_logit_softcapping = _model_softcapping(model)
+    hidden_states = _scaled(model, hidden_states, logits_scaling)
     loss = _chunked_loss(model, hidden_states, labels, final_logit_softcapping, **kwargs)
     if isinstance(outputs, tuple):
         return (loss, None, *outputs[1:])

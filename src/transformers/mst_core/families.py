@@ -49,6 +49,9 @@ _TINY_EXPERTS = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermedi
 # Multi-head Latent Attention's sizes (DeepSeek-V2/V3, GLM-4.7-Flash): every head its own keys (no GQA groups).
 _TINY_LATENT = {"num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
                 "v_head_dim": 8}
+# Granite's muP multipliers, every one away from 1, and a logit scale that is not a power of two.
+_TINY_GRANITE = {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
+                 "logits_scaling": 3.0}
 # Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): one linear-attention and one full-attention layer; with MoE
 # blocks (Qwen3-Next, Qwen3.5-MoE) of 4 experts, top-2, a gated shared expert, the aux loss weighted 1.0.
 _TINY_LINEAR = {"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
@@ -96,8 +99,17 @@ FAMILIES = {
     # head has no bias, so the logits are the same, to one rounding of the hidden states where the scale is not a
     # power of two). Tiny: every multiplier away from 1, a scale of 3.
     "granite": Family("Granite", "GraniteConfig", "GraniteForCausalLM", "mlp", _ATTENTION,
-                      tiny={"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
-                            "logits_scaling": 3.0}),
+                      tiny=_TINY_GRANITE),
+    # GraniteMoE (`granitemoe`, IBM's PowerMoE and Granite 3.x MoE) and GraniteMoE-shared (`granitemoeshared`: a shared
+    # MLP beside the experts): Granite's layers with MoE blocks recording their router logits, the aux loss in the
+    # head. LM head + loss by mini-sequences (as Granite's, with the aux loss added by upstream's lines); their MoE
+    # blocks are not chunked. Tiny: Granite's multipliers, 4 experts of 64, top-2, the aux loss weighted 1.0.
+    "granitemoe": Family("GraniteMoE", "GraniteMoeConfig", "GraniteMoeForCausalLM", "lm_head", _ATTENTION,
+                         tiny={**_TINY_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2,
+                               "router_aux_loss_coef": 1.0}),
+    "granitemoeshared": Family("GraniteMoE-shared", "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "lm_head",
+                               _ATTENTION, tiny={**_TINY_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                                 "router_aux_loss_coef": 1.0, "shared_intermediate_size": 64}),
     # Gemma-4 text (`Gemma4ForCausalLM`): Gemma-3's layers plus per-layer input embeddings, K/V shared across the last
     # layers (E2B, E4B), and on 26B-A4B a MoE block beside the MLP (not chunked). Streamed: a layer's per-layer input
     # is a row input of the streamed layer (its gradient summed chunk by chunk, streaming_backward/layer.py). Not where
@@ -219,9 +231,9 @@ FAMILIES = {
                     tiny={"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_chunk_size": 8,
                           "mamba_n_groups": 1}),
     # Granite-4.0-H (`granitemoehybrid`): Bamba's layers with a MoE block (routed experts and a shared MLP) in each,
-    # the router's aux loss. No mini-sequence path: its head divides the logits by `logits_scaling`, which the chunked
-    # loss does not take. Tiny: 4 experts of 16, top-2, a shared MLP of 64, the aux loss weighted 1.0; RoPE.
-    "granitemoehybrid": Family("Granite-4.0-H", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", None,
+    # the router's aux loss. LM head + loss by mini-sequences (its head is GraniteMoE's, patch 0004). Tiny: 4 experts
+    # of 16, top-2, a shared MLP of 64, the aux loss weighted 1.0; RoPE.
+    "granitemoehybrid": Family("Granite-4.0-H", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "lm_head",
                                _ATTENTION, streaming_recurrent="mamba",
                                tiny={"layer_types": ["linear_attention", "full_attention"], "intermediate_size": 16,
                                      "shared_intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
