@@ -230,6 +230,17 @@ def test_checkpointing_mlp_runs_per_step(family, monkeypatch):
     assert runs == [2.0, MLP_RUNS_WITH_CHECKPOINTING[family]]
 
 
+@pytest.mark.parametrize("family", ["granite", "granitemoe"])
+def test_granite_head_with_a_bias_is_refused(family):
+    """Granite's heads divide the logits by `logits_scaling`; the chunked loss divides the hidden states instead,
+    the same only for a head without bias (upstream builds none): a head given one is refused, naming it."""
+    model = make_model(family, mini_sequence_chunk=7).train()
+    model.lm_head = torch.nn.Linear(COMMON["hidden_size"], COMMON["vocab_size"], bias=True)
+    input_ids, attention_mask, labels = batch(3)
+    with pytest.raises(ValueError, match="lm_head has a bias.*logits_scaling=3.0"):
+        model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
 @pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
 def test_eval_keeps_upstream_logits(family):
     ids, mask, labels = batch(10)
