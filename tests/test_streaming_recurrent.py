@@ -14,7 +14,7 @@ from tiny_models import MOE_FAMILIES, RECURRENT_FAMILIES, REGISTRY, fp64_through
 from transformers.mst_core.memory import LiveTensorTracker
 from transformers.streaming_backward import config as streaming_config
 from transformers.streaming_backward import layer as streamed_layer
-from transformers.streaming_backward import recurrent
+from transformers.streaming_backward import parts, recurrent
 
 SEQ = 45
 CONV_STATE_ONLY = {"lfm2", "lfm2_moe"}  # short convolutions: no recurrent state
@@ -90,7 +90,7 @@ def _assert_exact(got, family, chunk, batches, want=None, prepare=None, **fields
 
 
 def _recurrent_layers(model):
-    return sum(recurrent.recurrent_mixer(layer) is not None for layer in model.modules())
+    return sum(parts.recurrent_mixer(layer) is not None for layer in model.modules())
 
 
 @pytest.fixture

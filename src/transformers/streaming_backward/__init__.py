@@ -9,6 +9,7 @@ of the graph (compiled.py). A recurrent layer (Mamba2's) streams through its con
 (recurrent.py). The model types it streams are the registry's (mst_core/families.py).
 """
 
+from ..mst_core.families import FAMILIES
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.model_checks import CONSTRUCTION_HOOKS
 from .layer import applies, decoder_layer_forward
@@ -24,13 +25,16 @@ def _name_layers_for_compile(model) -> None:
 
 
 def _config_for_layers(model) -> None:
-    """At model construction: the model's config on each decoder layer that keeps none (Bamba's and Granite-4.0-H's
-    Mamba layers), for `recurrent.layer_config`. An inner model (a composite's text model) runs this first: its
-    config stays."""
+    """At model construction, for a family with recurrent layers that stream (the registry's `streaming_recurrent`):
+    the model's config on each decoder layer that keeps none (Bamba's and Granite-4.0-H's Mamba layers), for
+    `parts.layer_config`; other models are left as upstream builds them. An inner model (a composite's text model)
+    runs this first: its config stays."""
     from ..modeling_layers import GradientCheckpointingLayer
     from .parts import layer_config
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(FAMILIES.get(getattr(config, "model_type", None)), "streaming_recurrent", None) is None:
+        return
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer) and layer_config(module) is None:
             module._streaming_config = config

@@ -72,7 +72,7 @@ from .masks import (
     sliding_window,
     splits_on_cpu,
 )
-from .offload import KeptInput, SavedInput, input_storage
+from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
 from .projections import RecordedProjections, recordable_projections
 from .rows import RowBlocks, row_blocks, slice_rows
 from .wrappers import layer_parameters
@@ -599,12 +599,8 @@ def _streamed_outputs(streamed, layer, hidden_states):
         # ZeRO-3 leaf modules (MoE blocks) run once per chunk here; DeepSpeed reduces their weights once per call.
         # Its K/V passes skip the query projection, as the Function's do: q_proj sees each token twice a step.
         streamed.query_projection = discardable_query_projection(parts.attention_module(layer), hooks_run=True)
-        with leaf_gradients_queued_once(layer):
-            if storage is None:
-                return _forward_with_checkpoints(streamed, hidden_states)
-            on_accelerator = hidden_states.device.type != "cpu"
-            with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
-                return _forward_with_checkpoints(streamed, hidden_states)
+        with leaf_gradients_queued_once(layer), saved_tensors_offloaded(storage, hidden_states.device):
+            return _forward_with_checkpoints(streamed, hidden_states)
     skip_and_record_projections(streamed, layer)
     if not (hidden_states.requires_grad or params or streamed.row_inputs):
         with torch.no_grad(), streamed.views_of_one_mask():

@@ -2,6 +2,8 @@
 memory when checkpointing was enabled with offload=True (`activation_checkpointing_enable(offload=True)`, which
 streaming replaces for the layers it streams); the backward reads it back one chunk of rows at a time."""
 
+import contextlib
+
 import torch
 
 
@@ -57,3 +59,11 @@ def input_storage(layer):
         return None
     tag = layer._gradient_checkpointing_func.offload
     return tag if hasattr(tag, "save") and hasattr(tag, "load") else HostStorage()
+
+
+def saved_tensors_offloaded(storage, device: torch.device):
+    """For the wrappers' fallback (checkpointed chunks): where the input is offloaded (`storage` set), every tensor
+    autograd saves goes to host memory too, as upstream's offloaded checkpointing puts them; else nothing changes."""
+    if storage is None:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type != "cpu", device_type=device.type)

@@ -32,8 +32,8 @@ from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
 from . import router
 from .checks import check_captured_outputs
 from .config import streaming_chunk_size
-from .offload import KeptInput, SavedInput, input_storage
-from .parts import layer_config, recurrent_mixer, returned  # noqa: F401 (layer_config: tests, __init__)
+from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
+from .parts import layer_config, recurrent_mixer, returned
 from .rows import slice_rows
 from .wrappers import layer_parameters
 
@@ -264,10 +264,7 @@ def _streamed_outputs(call, layer, hidden_states):
     params = layer_parameters(layer, mixer=recurrent_mixer(layer))
     storage = input_storage(layer)
     if params is None:
-        if storage is None:
-            return _forward_with_checkpoints(call, hidden_states)
-        on_accelerator = hidden_states.device.type != "cpu"
-        with torch.autograd.graph.save_on_cpu(pin_memory=on_accelerator, device_type=hidden_states.device.type):
+        with saved_tensors_offloaded(storage, hidden_states.device):
             return _forward_with_checkpoints(call, hidden_states)
     # Nothing requiring grad (a frozen layer): autograd records no node, and the context's states go with the call.
     return StreamedRecurrentFunction.apply(hidden_states, call, storage, *params)
