@@ -5,7 +5,9 @@ transformers-mst rebuilds the whole-sequence mask after the all-to-all. Checked 
 over gloo (`torchrun`, DS_ACCELERATOR=cpu): a few Trainer steps of tiny models, sp=2 with ZeRO-2 and
 ZeRO-3, mini_sequence_chunk unset and set, give the per-step losses of the one-process run. Without
 the rebuild, Mistral with sliding_window=8 < 32 tokens gives step-1 loss 4.8763 under sp=2 against
-4.8745 in one process (measured), far outside the 1e-5 tolerance.
+4.8745 in one process (measured), far outside the 1e-5 tolerance. With streaming_backward_chunk set
+too, each rank's streamed layers run their query chunks against the gathered keys (ulysses/streamed.py)
+and give the same losses; planted errors in that path are seen.
 """
 
 import json
@@ -37,17 +39,33 @@ CASES = {
     "qwen3_moe_packed": "family=qwen3_moe,case=packed",  # layer 0 dense, layer 1 sparse
     "olmoe_padding": "family=olmoe,case=padding",
     "glm4_moe_packed": "family=glm4_moe,case=packed",  # shared expert, group-limited sigmoid routing
+    # streaming_backward_chunk under Ulysses (SP_RUNS): each rank's query chunks against the gathered keys.
+    "stream_window": "family=mistral,case=window",
+    "stream_padding": "family=llama,case=padding",
+    "stream_left_padding": "family=llama,case=left_padding",  # the first rows of each row see no key
+    "stream_packed": "family=qwen3,case=packed",
+    "stream_qwen2_window": "family=qwen2,case=window",  # layer 0 full, layer 1 sliding (8)
+    "stream_gemma3_window": "family=gemma3_text,case=window",
+    "stream_moe": "family=mixtral,case=window",
 }
 # mini_sequence_chunk=4 (flag on) in one ZeRO stage, unset in the other, per case.
 SP_RUNS = {
     2: {"window": "", "qwen2_window": ",chunk=4", "packed": ",chunk=4", "padding": "", "qwen3_window": ",chunk=4",
         "gemma3_window": "", "phi3_packed": "", "olmo2_padding": ",chunk=4", "olmo3_window": "",
         "smollm3_packed": ",chunk=4", "ministral3_padding": "", "mixtral_window": ",chunk=4", "qwen3_moe_packed": "",
-        "olmoe_padding": ",chunk=4", "glm4_moe_packed": ""},
+        "olmoe_padding": ",chunk=4", "glm4_moe_packed": "",
+        # chunks of 4 and uneven ones (5, 5, 5, 1 of each rank's 16 rows); ZeRO-2: the streamed Function
+        "stream_window": ",stream=4", "stream_padding": ",stream=5,chunk=4", "stream_left_padding": ",stream=4",
+        "stream_packed": ",stream=5,offload=1", "stream_qwen2_window": ",stream=4,chunk=4",
+        "stream_gemma3_window": ",stream=5", "stream_moe": ",stream=4,chunk=4"},
     3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4", "qwen3_window": "",
         "gemma3_window": ",chunk=4", "phi3_packed": ",chunk=4", "olmo2_padding": "", "olmo3_window": ",chunk=4",
         "smollm3_packed": "", "ministral3_padding": ",chunk=4", "mixtral_window": "", "qwen3_moe_packed": ",chunk=4",
-        "olmoe_padding": "", "glm4_moe_packed": ",chunk=4"},
+        "olmoe_padding": "", "glm4_moe_packed": ",chunk=4",
+        # ZeRO-3: the streamed layer's nested-checkpoint path (every gradient through autograd)
+        "stream_window": ",stream=5,chunk=4", "stream_padding": ",stream=4", "stream_left_padding": ",stream=5",
+        "stream_packed": ",stream=4,chunk=4,offload=1", "stream_qwen2_window": ",stream=5",
+        "stream_gemma3_window": ",stream=4,chunk=4", "stream_moe": ",stream=5"},
 }
 
 
@@ -84,6 +102,10 @@ def test_sp2_losses_equal_one_process(reference, sp2, case):
     assert "error" not in ref, ref
     assert "error" not in got, got
     assert len(got["loss"]) == len(ref["loss"]) == 3
+    # Where the field is set, every layer streamed: 2 layers x chunks x (forward + recompute) x 3 steps.
+    stream = [int(item.removeprefix("stream=")) for item in SP_RUNS[zero][case].split(",") if item.startswith("stream=")]
+    chunks = -(-16 // stream[0]) if stream else 0
+    assert got["streamed_chunks"] == 2 * chunks * 2 * 3, (case, zero, got["streamed_chunks"])
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=0), (case, zero)
     if zero == 3:
         # ZeRO-3 also gives the one-process gradient norm. Under ZeRO-2 DeepSpeed reports (and clips)
@@ -98,6 +120,7 @@ def test_sp2_refuses_what_it_cannot_make_exact(tmp_path):
         "eager:family=mistral,attn=eager",  # Ulysses cannot run eager attention (accelerate refuses it)
         "other_family:family=gemma",  # a model type outside the registry: its masks are not rebuilt
         "aux_loss:family=olmoe,aux=1",  # tiny: weight 1.0; the aux loss of a shard is not the whole sequence's
+        "stream_one_kv_head:family=llama,stream=4,kv=1",  # DeepSpeed would replicate it; the streamed path does not
     ]
     results = torchrun(2, 2, specs, tmp_path, "errors")
     assert "isn't divisible by sp-size=2" in results["indivisible"].get("error", ""), results["indivisible"]
@@ -106,3 +129,23 @@ def test_sp2_refuses_what_it_cannot_make_exact(tmp_path):
     assert err.startswith("ValueError") and "'gemma'" in err and "model_type in" in err, results["other_family"]
     err = results["aux_loss"].get("error", "")
     assert err.startswith("ValueError") and "router_aux_loss_coef=1.0" in err, results["aux_loss"]
+    err = results["stream_one_kv_head"].get("error", "")
+    assert err.startswith("ValueError") and "1 key/value heads must both be divisible by 2" in err, err
+
+
+def test_sp2_streaming_planted_errors_are_seen(reference, tmp_path):
+    """The streamed Ulysses comparisons above can fail: a wrong exchange of keys and values, or a wrong mask row,
+    moves the first step's loss past their tolerance, on both of the streamed layer's paths (ZeRO-2: the Function;
+    ZeRO-3: nested checkpoints)."""
+    specs = {
+        "keys_zero2": ("stream_window", "family=mistral,case=window,stream=4,zero=2,plant=keys,steps=1"),
+        "keys_zero3": ("stream_window", "family=mistral,case=window,stream=5,zero=3,plant=keys,steps=1"),
+        "mask_zero2": ("stream_padding", "family=llama,case=padding,stream=4,zero=2,plant=mask,steps=1"),
+        "mask_zero3": ("stream_left_padding", "family=llama,case=left_padding,stream=5,zero=3,plant=mask,steps=1"),
+    }
+    results = torchrun(2, 2, [f"{name}:{spec}" for name, (_, spec) in specs.items()], tmp_path, "planted")
+    for name, (case, _) in specs.items():
+        got, ref = results[name], reference[case]
+        assert "error" not in got, (name, got)
+        assert got["streamed_chunks"] > 0, name
+        assert got["loss"][0] != pytest.approx(ref["loss"][0], rel=1e-5, abs=0), (name, got["loss"], ref["loss"])

@@ -2,13 +2,17 @@
 
 Run by tests/test_ulysses.py through `torchrun --nproc_per_node N` with DS_ACCELERATOR=cpu:
 `--sp 1` under one process is the reference, `--sp 2` under two processes the Ulysses run. Each
-`--spec NAME:KEY=VALUE,...` is one Trainer run (keys: family, case, zero, chunk, attn, seq, steps, aux),
+`--spec NAME:KEY=VALUE,...` is one Trainer run (keys: family, case, zero, chunk (mini_sequence_chunk), stream
+(streaming_backward_chunk), offload (1: layer inputs in host memory), kv (num_key_value_heads), attn, seq, steps,
+aux, plant (an error
+planted in the streamed Ulysses path, which the tests must see: "keys", "mask")),
 run one after the other in the same processes to save start-up time. A run that raises records
 its error message instead of losses. Rank 0 writes {NAME: {"loss": [...], "grad_norm": [...]} or
 {"error": "..."}} as JSON to --out.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,7 +24,8 @@ import torch  # noqa: E402
 from leave import leave_process_group  # noqa: E402
 
 # aux=1: the MoE head adds the router's auxiliary loss (output_router_logits=True).
-DEFAULTS = dict(family="mistral", case="window", zero=2, chunk=None, attn="sdpa", seq=32, steps=3, aux=0)
+DEFAULTS = dict(family="mistral", case="window", zero=2, chunk=None, stream=None, offload=0, attn="sdpa", seq=32,
+                steps=3, aux=0, plant="", kv=None)
 
 
 def samples(case, seq, n, vocab, seed=1):
@@ -38,6 +43,12 @@ def samples(case, seq, n, vocab, seed=1):
             mask = (torch.arange(seq) < keep).long()
             sample["attention_mask"] = mask
             sample["labels"] = ids.masked_fill(mask == 0, -100)
+        elif case == "left_padding":  # left padding: the first rows of a shard see no key
+            keep = seq - 3 - 2 * i
+            mask = (torch.arange(seq) >= seq - keep).long()
+            sample["attention_mask"] = mask
+            sample["labels"] = ids.masked_fill(mask == 0, -100)
+            sample["position_ids"] = (torch.cumsum(mask, 0) - 1).clamp(min=0)
         elif case != "window":
             raise ValueError(f"case={case!r}")
         out.append(sample)
@@ -51,7 +62,7 @@ def parse_run(text):
         key, _, value = item.partition("=")
         if key not in spec:
             raise ValueError(f"unknown key {key!r} in --spec {text!r}")
-        spec[key] = value if key in ("family", "case", "attn") else int(value)
+        spec[key] = value if key in ("family", "case", "attn", "plant") else int(value)
     return name, spec
 
 
@@ -59,13 +70,18 @@ def train(spec, sp, workdir):
     import transformers
     from tiny_models import make_model
 
-    overrides = {"mini_sequence_chunk": spec["chunk"], "attn_implementation": spec["attn"]}
+    overrides = {
+        "mini_sequence_chunk": spec["chunk"], "streaming_backward_chunk": spec["stream"],
+        "attn_implementation": spec["attn"],
+    }
     if spec["family"] in ("mistral", "gemma2", "mixtral"):  # gemma2: every other layer slides
         overrides["sliding_window"] = 8  # smaller than the sequence and than each rank's shard
     if spec["family"] == "mixtral":
         # DeepSpeed 0.19.8 reads config.head_dim, which MixtralConfig leaves None (its TypeError, before any step,
         # is what a user sees without it); the attention computes the same hidden_size // num_attention_heads.
         overrides["head_dim"] = 8
+    if spec["kv"]:
+        overrides["num_key_value_heads"] = spec["kv"]
     if spec["aux"]:
         overrides["output_router_logits"] = True
     if spec["family"] == "qwen2":  # sliding layers from layer 1 on
@@ -84,6 +100,8 @@ def train(spec, sp, workdir):
     else:
         model = make_model(spec["family"], seed=0, **overrides)
     model.config.use_cache = False
+    if spec["offload"]:  # streamed layers keep their inputs in host memory (docs/streaming.md)
+        model.activation_checkpointing_enable(offload=True)
 
     ds_config = {
         "zero_optimization": {"stage": spec["zero"]},
@@ -121,9 +139,57 @@ def train(spec, sp, workdir):
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=data, data_collator=transformers.default_data_collator
     )
-    trainer.train()
+    # How many query chunks a streamed layer ran through the Ulysses attention (0 where nothing streams).
+    from transformers.ulysses.streamed import StreamedQueryChunk
+
+    attend, calls = StreamedQueryChunk.attend, [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return attend(*args, **kwargs)
+
+    StreamedQueryChunk.attend = counted
+    try:
+        with planted(spec["plant"]):
+            trainer.train()
+    finally:
+        StreamedQueryChunk.attend = attend
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"loss": [h["loss"] for h in logs], "grad_norm": [h.get("grad_norm") for h in logs]}
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h.get("grad_norm") for h in logs], "streamed_chunks": calls[0]}
+
+
+@contextlib.contextmanager
+def planted(plant):
+    """An error planted in the streamed Ulysses path: "keys" hands every query the first shard's first 4 keys and
+    values where the second shard's are (as if one chunk's K/V were not exchanged); "mask" lets the second shard's first
+    4 query rows see every key, later ones included."""
+    from transformers.ulysses.masks import UlyssesMask
+
+    if not plant:
+        yield
+        return
+    original = {"keys": UlyssesMask.gather_keys_values, "mask": UlyssesMask.build}[plant]
+
+    def wrong_keys(self, keys, values):
+        keys, values = original(self, keys, values)
+        length = self.q_length
+        keys, values = keys.clone(), values.clone()
+        keys[:, :, length : length + 4], values[:, :, length : length + 4] = keys[:, :, :4], values[:, :, :4]
+        return keys, values
+
+    def wrong_mask(self, module, query, kwargs, uattn):
+        mask = original(self, module, query, kwargs, uattn)
+        if mask is None or mask.shape[-2] == self.q_length:
+            raise AssertionError("plant=mask needs a whole-sequence mask tensor (a padding or window case)")
+        mask = mask.clone()
+        mask[:, :, self.q_length : self.q_length + 4] = True if mask.dtype == torch.bool else 0
+        return mask
+
+    setattr(UlyssesMask, original.__name__, {"keys": wrong_keys, "mask": wrong_mask}[plant])
+    try:
+        yield
+    finally:
+        setattr(UlyssesMask, original.__name__, original)
 
 
 def reset_between_runs():

@@ -43,6 +43,7 @@ from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.router_logits import positions, token_major
+from ..mst_core.sharded_sequence import ShardedSequenceMask
 from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph, saved_once
 from .cache import (
     BackwardCache,
@@ -66,6 +67,7 @@ from .masks import (
     OffsetChunkMasks,
     chunk_mask,
     flash_chunk_mask,
+    lower_right_causal_bias,
     packed_sequence_starts,
     plan_flash_chunks,
     plan_key_ranges,
@@ -113,7 +115,14 @@ class StreamedCall:
         self.batch, self.seq_len = hidden_states.shape[:2]
         implementation = config._attn_implementation
         mask = arguments.pop("attention_mask", None)
-        self.bottom_right = check_attention_call(layer, mask, self.batch, self.seq_len)
+        # A shard of a sequence-parallel sequence (Ulysses): every chunk reads the whole sequence's keys, gathered
+        # (mst_core/sharded_sequence.py), so each is "blind" below: its K/V first, its output once every key exists.
+        self.sharded = mask if isinstance(mask, ShardedSequenceMask) else None
+        if self.sharded is not None:
+            self.sharded.check_streamable(attn)
+            mask, self.bottom_right = None, False
+        else:
+            self.bottom_right = check_attention_call(layer, mask, self.batch, self.seq_len)
         self.flash = implementation == FLASH_ATTENTION
         self.mask, self.window, self.device = mask, sliding_window(attn), hidden_states.device
         if self.window is not None and self.window >= self.seq_len:
@@ -133,7 +142,11 @@ class StreamedCall:
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
         self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
-        if self.flash:
+        if self.sharded is not None:
+            self.flash, self.causal_bias = False, False
+            self.key_ranges = [(0, self.seq_len * self.sharded.world_size)] * len(self.chunks)
+            self.blind = set(range(len(self.chunks)))
+        elif self.flash:
             # Packing is given to each chunk as its own cu_seq_lens (FlashAttention masks per sequence itself).
             starts = packed_sequence_starts(mask, arguments, self.batch, self.seq_len)
             for name in FLASH_VARLEN_KWARGS:
@@ -150,7 +163,7 @@ class StreamedCall:
         # `views_of_one_mask` (the Function's forward, its backward): built once the K/V dtype is known (the first
         # chunk's cache update; SDPA wants a float mask in the queries' dtype), freed on leaving.
         self.chunk_size, self.keys_dtype, self.offset_masks = chunk, None, None
-        self.use_offset_masks = self.mask is None and not self.flash and self.device.type == "cpu"
+        self.use_offset_masks = self.mask is None and not self.flash and self.sharded is None and self.device.type == "cpu"
         self.taking_views = False  # inside `views_of_one_mask`
         # The query projection a pass stopping at the cache skips (cache.queries_not_computed); set by
         # skip_and_record_projections on the Function's path only (under a wrapper's hooks every module runs as
@@ -180,6 +193,10 @@ class StreamedCall:
         kwargs.update({name: type(kwargs[name])() for name in _FRESH_PER_CHUNK if kwargs.get(name) is not None})
         if cache.stop:  # the layer stops at the cache: no mask needed
             kwargs["attention_mask"] = None
+        elif self.sharded is not None:
+            kwargs["attention_mask"] = self.sharded.query_chunk(
+                start, end, self.arguments.get("position_ids"), lower_right_causal_bias
+            )
         elif self.flash:
             kwargs["attention_mask"] = flash_chunk_mask(self.mask, kv_start, kv_end, self.silent_rows[index])
             kwargs.update(self.flash_kwargs[index])
@@ -258,6 +275,8 @@ class StreamedCall:
             if record_rng:
                 self.kv_rng[index] = capture_rng_state(x.device)
             self.call(x[:, start:end], index, RecordingCache(buffers, start, end, start, end, stop=True))
+        if self.sharded is not None:  # this shard's K/V -> the whole sequence's for this rank's heads
+            buffers[0], buffers[1] = self.sharded.gather_keys_values(buffers[0], buffers[1])
         for index in self.forward_order():
             start, end = self.chunks[index]
             if record_rng:
@@ -318,9 +337,19 @@ class StreamedLayerFunction(torch.autograd.Function):
             # and freed, once its first chunk has had its turn below (later chunks only add to rows before them).
             sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
             blocks = row_blocks(streamed.chunks)
+            if streamed.sharded is not None:
+                # Every chunk reads the whole sequence's K/V for this rank's heads: their dK/dV are summed there, in
+                # one block, and come back to this shard's rows once every chunk's output is done (below).
+                with torch.no_grad():
+                    keys, values = streamed.sharded.gather_keys_values(keys, values)
+                blocks = [[0, len(streamed.chunks)]]
+                whole = [(0, keys.shape[2])]
+                grad_keys = RowBlocks(whole, [[0, 1]], keys, dim=2, dtype=sum_dtype)
+                grad_values = RowBlocks(whole, [[0, 1]], values, dim=2, dtype=sum_dtype)
+            else:
+                grad_keys = RowBlocks(streamed.chunks, blocks, keys, dim=2, dtype=sum_dtype)
+                grad_values = RowBlocks(streamed.chunks, blocks, values, dim=2, dtype=sum_dtype)
             block_starting_at = {first: block for block, (first, _) in enumerate(blocks)}
-            grad_keys = RowBlocks(streamed.chunks, blocks, keys, dim=2, dtype=sum_dtype)
-            grad_values = RowBlocks(streamed.chunks, blocks, values, dim=2, dtype=sum_dtype)
             grad_x = None
             checked = []
 
@@ -406,6 +435,14 @@ class StreamedLayerFunction(torch.autograd.Function):
             # of their range a leaf.
             for index in sorted(streamed.blind):
                 chunk_backward(index, leaves_cache(index), own_keys_values=False)
+            if streamed.sharded is not None:  # the whole sequence's dK/dV -> this shard's rows
+                grad_keys, grad_values = (
+                    RowBlocks.holding(streamed.chunks, blocks, part, dim=2)
+                    for part in streamed.sharded.scatter_key_value_grads(
+                        *(total.pop(0) if 0 in total.parts else torch.zeros_like(keys, dtype=sum_dtype)
+                          for total in (grad_keys, grad_values))
+                    )
+                )
             # Then every chunk from the last: chunk i adds only to rows before its end, so its own rows' dK/dV are
             # final at its turn, and one backward takes its output and its own K/V. A blind chunk's own K/V: the
             # layer stopped at the cache.
@@ -479,6 +516,8 @@ def _forward_with_checkpoints(streamed, x):
         keys = torch.cat([k for k, _ in parts], dim=2)
         values = torch.cat([v for _, v in parts], dim=2)
         del parts
+        if streamed.sharded is not None:  # the whole sequence's K/V for this rank's heads (autograd: the way back)
+            keys, values = streamed.sharded.gather_keys_values(keys, values)
         sources = None
         if x.requires_grad and keys.requires_grad and values.requires_grad:
             sources = [saved_once(tensor, len(streamed.chunks)) for tensor in (x, keys, values)]

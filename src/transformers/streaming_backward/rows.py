@@ -38,6 +38,15 @@ class RowBlocks:
         self.shape, self.device, self.dim, self.dtype = list(like.shape), like.device, dim, dtype
         self.parts = {}
 
+    @classmethod
+    def holding(cls, chunks, blocks, total: torch.Tensor, dim: int) -> "RowBlocks":
+        """One block (`blocks` == [[0, len(chunks)]]) already summed: `total`."""
+        if len(blocks) != 1:
+            raise ValueError("RowBlocks.holding takes a single block")
+        held = cls(chunks, blocks, total, dim, total.dtype)
+        held.parts[0] = total
+        return held
+
     def block_of(self, row: int) -> int:
         return bisect.bisect_right(self.starts, row) - 1
 

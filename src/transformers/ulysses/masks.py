@@ -21,6 +21,10 @@ Here, when DeepSpeed registers its wrapper (`AttentionInterface.__setitem__`, pa
    built once per forward and mask kind, and, for sdpa, stays `None` (is_causal) when the whole
    sequence is plain causal, as upstream.
 Anything we cannot rebuild raises a ValueError naming the setting, before an optimizer step.
+
+A streamed layer (`streaming_backward_chunk`) gets the same `UlyssesMask`, a `ShardedSequenceMask`
+(mst_core/sharded_sequence.py): it gathers its keys and values through it once per pass and runs
+each query chunk through `streamed.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from __future__ import annotations
 import torch
 
 from ..mst_core.families import model_types
+from ..mst_core.fields import STREAMING_FIELD
+from ..mst_core.sharded_sequence import ShardedSequenceMask
+from .streamed import STREAMABLE_ATTENTION, StreamedQueryChunk, heads_to_sequence, sequence_to_heads
 
 # Model types whose masks are exactly create_causal_mask / create_sliding_window_causal_mask of
 # (config, padding mask, position_ids), chosen by the attention module's `sliding_window` (families.py).
@@ -36,13 +43,16 @@ SUPPORTED_MODEL_TYPES = model_types(ulysses=True)
 _rebuilding = False  # True while we call the model's mask function ourselves
 
 
-class UlyssesMask:
+class UlyssesMask(ShardedSequenceMask):
     """Stands in for the 4D mask of one forward: what is needed to rebuild it for the whole sequence."""
 
-    def __init__(self, padding, q_length):
+    def __init__(self, padding, q_length, uattn):
         self.padding = padding  # the local [batch, local_len] bool padding mask, or None (no 2D mask given)
         self.q_length = q_length  # local sequence length
+        self.uattn = uattn  # DeepSpeed's UlyssesSPAttentionHF: the process group, the core attention
+        self.world_size = uattn.world_size
         self._full_padding = None
+        self._positions = None  # the whole sequence's position_ids, gathered once (streamed layers)
         self._built = {}
 
     # Code that only inspects a mask's shape or device (no family with `ulysses=True` does) fails loudly.
@@ -105,6 +115,53 @@ class UlyssesMask:
                 _rebuilding = False
         return self._built[key]
 
+    def check_streamable(self, module):
+        """Raise unless a streamed layer can run its query chunks through `module`'s attention here."""
+        uattn = self.uattn
+        implementation = uattn.core_attn_implementation
+        if implementation not in STREAMABLE_ATTENTION:
+            raise ValueError(
+                f"{STREAMING_FIELD} under Ulysses sequence parallelism (sp_size={uattn.world_size}) runs query chunks "
+                f"with attn_implementation in {STREAMABLE_ATTENTION}; got {implementation!r}. Use 'sdpa' (on a GPU it "
+                "runs the chunks' causal blocks with FlashAttention kernels), or unset the field."
+            )
+        heads, kv_heads = module.config.num_attention_heads, module.config.num_key_value_heads
+        if heads % uattn.world_size or kv_heads % uattn.world_size:
+            raise ValueError(
+                f"{STREAMING_FIELD} under Ulysses sequence parallelism (sp_size={uattn.world_size}) splits the query "
+                f"and key/value heads over the ranks: {heads} query heads and {kv_heads} key/value heads must both be "
+                f"divisible by {uattn.world_size} (DeepSpeed's replication of too few key/value heads is not done on "
+                "this path). Use an sp_size dividing both, or unset the field."
+            )
+        if not getattr(module, "is_causal", True):
+            raise ValueError(f"{STREAMING_FIELD} needs causal attention; {type(module).__name__} is bidirectional here.")
+
+    def gather_keys_values(self, keys, values):
+        group = self.uattn.process_group
+        return heads_to_sequence(keys, self.world_size, group), heads_to_sequence(values, self.world_size, group)
+
+    def scatter_key_value_grads(self, grad_keys, grad_values):
+        group = self.uattn.process_group
+        return sequence_to_heads(grad_keys, self.world_size, group), sequence_to_heads(grad_values, self.world_size, group)
+
+    def query_chunk(self, start, end, position_ids, causal_bias):
+        if position_ids is None:
+            raise ValueError(
+                f"{STREAMING_FIELD} under Ulysses sequence parallelism: the decoder layer got no position_ids, from "
+                "which the whole sequence's mask is rebuilt. Pass position_ids (UlyssesSPDataLoaderAdapter and "
+                "accelerate's sequence-parallel data loading do)."
+            )
+        return StreamedQueryChunk(self, start, end, position_ids, causal_bias)
+
+    def gathered_positions(self, position_ids, uattn):
+        """The whole sequence's [B, S] position_ids from each rank's [B, S/sp] (one all-gather per forward)."""
+        if self._positions is None:
+            position_ids = position_ids.contiguous()
+            parts = [torch.empty_like(position_ids) for _ in range(uattn.world_size)]
+            torch.distributed.all_gather(parts, position_ids, group=uattn.process_group)
+            self._positions = torch.cat(parts, dim=1)
+        return self._positions
+
     def _gather_padding(self, uattn):
         if self._full_padding is None:
             local = self.padding.to(torch.int64).contiguous()  # gloo has no bool all_gather
@@ -114,7 +171,7 @@ class UlyssesMask:
         return self._full_padding
 
 
-def _ulysses_mask_function(original):
+def _ulysses_mask_function(original, uattn):
     """The mask function registered under Ulysses: returns a UlyssesMask instead of a local 4D mask."""
 
     def mask_function(*args, **kwargs):
@@ -126,7 +183,7 @@ def _ulysses_mask_function(original):
                 "Ulysses sequence parallelism: a key/value cache is not supported while "
                 "training with sp_size > 1"
             )
-        return UlyssesMask(kwargs.get("attention_mask"), q_length)
+        return UlyssesMask(kwargs.get("attention_mask"), q_length, uattn)
 
     mask_function._mst_original = original
     return mask_function
@@ -194,9 +251,14 @@ def wrap_registered_attention(key, value):
     while hasattr(core, "_mst_original"):
         core = core._mst_original
     uattn.attn = _core_attention(core, uattn)
-    ALL_MASK_ATTENTION_FUNCTIONS[key] = _ulysses_mask_function(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[key])
+    mask_function = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[key]
+    while hasattr(mask_function, "_mst_original"):
+        mask_function = mask_function._mst_original
+    ALL_MASK_ATTENTION_FUNCTIONS[key] = _ulysses_mask_function(mask_function, uattn)
 
     def ulysses_attention(module, query, key_states, value_states, attention_mask, *args, **kwargs):
+        if isinstance(attention_mask, StreamedQueryChunk):  # a streamed layer's query chunk (streamed.py)
+            return attention_mask.attend(module, query, key_states, value_states, core, uattn, kwargs)
         # DeepSpeed's wrapper would drop attention_mask here; our core function rebuilds it.
         return uattn(module, query, key_states, value_states, attention_mask, *args, **kwargs)
 
