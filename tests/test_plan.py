@@ -469,14 +469,48 @@ def test_streamed_layer_input_offload():
         assert layer_inputs - one_chunk <= saved <= layer_inputs, (method, saved, layer_inputs)
 
 
-def test_streamed_methods_refuse_ulysses(tiny_config):
-    with pytest.raises(plan.PlanError, match=r"--methods streaming with --sp 2: streaming backward is not planned"):
-        plan.plan(str(tiny_config), 80, gpus=2, sp=2, methods=["streaming"])
-    planner = plan.Planner(transformers.LlamaConfig(**GQA), parallel=plan.Parallel(2, 0, 2))
-    with pytest.raises(plan.PlanError, match="allowed with --sp 1"):
+def test_streamed_methods_plan_under_ulysses(monkeypatch):
+    """With --sp > 1 a streamed layer takes its sequence-parallel path (the mask a `ShardedSequenceMask`: every query
+    chunk through the Ulysses chunk stand-in, the keys gathered), the fake step's bytes are the real step's, and,
+    at a length where one rank's layer recompute outweighs the K/V of the whole sequence, its peak is below
+    mini_sequence+checkpointing's. Under ZeRO-3 with layer-input offload (the nested-checkpoint path under
+    `save_on_cpu`, whose stand-in counts host bytes) it is planned too."""
+    from transformers.mst_planner import standins
+
+    chunks = []
+    forward = standins._UlyssesStreamedChunk.forward
+    monkeypatch.setattr(standins._UlyssesStreamedChunk, "forward",
+                        staticmethod(lambda *args: chunks.append(args[2].shape) or forward(*args)))
+    config = transformers.LlamaConfig(**GQA)
+    seq = 65536
+    for parallel in (plan.Parallel(2, 0, 2), plan.Parallel(2, 3, 2, ("inputs",))):
+        planner = plan.Planner(config, optimizer="none", optimizer_in_backward=parallel.zero == 0, parallel=parallel)
+        chunks.clear()
+        streamed = planner.step_peak_bytes("mini_sequence+streaming", seq)
+        # 2 layers (the shallow stack: 4) x 8 chunks of 4096 of the rank's 32768 tokens, forward and recompute;
+        # each reads the whole sequence's keys for its share of the key/value heads.
+        assert chunks and all(shape == (1, 1, seq, 64) for shape in chunks), chunks[:3]
+        assert len(chunks) % (2 * 8) == 0, len(chunks)
+        checkpointed = planner.step_peak_bytes("mini_sequence+checkpointing", seq)
+        assert streamed < checkpointed, (parallel, streamed, checkpointed)
+        real = planner.step_peak_bytes("mini_sequence+streaming", 8192, fake=False, shallow=False)
+        assert abs(planner.step_peak_bytes("mini_sequence+streaming", 8192) - real) <= 64, parallel  # scalars
+        if "inputs" in parallel.offload:
+            assert planner.host_bytes("mini_sequence+streaming", seq) >= 2 * (seq // 2) * GQA["hidden_size"] * 2
+
+
+def test_streamed_methods_refuse_replicated_kv_heads(tmp_path):
+    """Under Ulysses a streamed layer splits the key/value heads over the ranks: fewer of them than sp is refused, by
+    name; without --methods the other methods are planned."""
+    transformers.LlamaConfig(**GQA).save_pretrained(tmp_path)
+    config = str(tmp_path / "config.json")
+    with pytest.raises(plan.PlanError, match=r"--methods streaming: not planned: .* 2 key/value heads over the --sp 4"):
+        plan.plan(config, 80, gpus=4, sp=4, methods=["streaming"])
+    planner = plan.Planner(transformers.LlamaConfig(**GQA), parallel=plan.Parallel(4, 0, 4))
+    with pytest.raises(plan.PlanError, match="allowed --sp: divisors of 2"):
         planner.step_peak_bytes("mini_sequence+streaming", 1024)
-    with pytest.raises(plan.PlanError, match="--zero 3 --offload inputs: not planned"):
-        plan.plan(str(tiny_config), 80, gpus=2, zero=3, offload=["inputs"], methods=["mini_sequence+streaming"])
+    planned = {point["method"] for point in plan.plan(config, 80, gpus=4, sp=4, seq_lens=[4096])["points"]}
+    assert planned == set(UNSTREAMED), planned
 
 
 def test_planner_parameters_take_the_function_path():
@@ -705,7 +739,7 @@ def test_shallow_stack_gives_the_deep_stacks_bytes(case, monkeypatch):
     monkeypatch.setattr(plan.Planner, "_step", lambda self, *a: depths.append(a[3] if len(a) > 3 else None)
                         or real_step(self, *a))
     for method in plan.METHODS:
-        if not plan._plannable(method, parallel) or plan.family_refusal(method, config):
+        if not plan._plannable(method, parallel, config) or plan.family_refusal(method, config):
             continue
         # The first step runs two middle blocks and checks them; once equal, a later step (another length) runs one.
         for seq_len, middle_blocks in ((128, 2), (192, 1)):

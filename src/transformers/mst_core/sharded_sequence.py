@@ -29,8 +29,9 @@ class ShardedSequenceMask:
         [B, H_kv/sp, S, D] (differentiable: its backward returns the gradients to the ranks that computed them)."""
         raise NotImplementedError
 
-    def scatter_key_value_grads(self, grad_keys, grad_values):
-        """The adjoint of `gather_keys_values`: gradients [B, H_kv/sp, S, D] -> this shard's [B, H_kv, S/sp, D]."""
+    def scatter_grad(self, grad):
+        """The adjoint of `gather_keys_values` for one of them: a gradient [B, H_kv/sp, S, D] -> this shard's
+        [B, H_kv, S/sp, D]."""
         raise NotImplementedError
 
     def query_chunk(self, start: int, end: int, position_ids, causal_bias):

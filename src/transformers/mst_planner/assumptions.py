@@ -38,7 +38,9 @@ Multi-GPU (--gpus/--zero/--sp/--offload), per GPU (rank); every figure is an est
   tokens through embedding, norms, MLPs and the LM-head loss, and its attention stand-in does the
   all-to-alls: it keeps q/k/v for H/sp heads (key/value: H_kv/sp, or one replicated head when
   H_kv < sp) over all S tokens, their output and log-sum-exp, plus one transient send buffer per
-  all-to-all, and in backward the same for the gradients;
+  all-to-all, and in backward the same for the gradients. A streamed layer (ulysses/streamed.py)
+  gathers its shard's K/V into the whole sequence's for H_kv/sp heads once per pass (H_kv must be
+  divisible by sp there) and sends one query chunk at a time through the all-to-alls;
 - states: bf16 weights, optimizer states per --optimizer. ZeRO shards over all --gpus ranks:
   ZeRO-1 keeps ceil(P/N) parameters' optimizer states, ZeRO-2 also reduce-scatters each gradient
   as soon as it is accumulated (measured in the step: the full gradient is freed and a 1/N bf16
@@ -54,7 +56,9 @@ Multi-GPU (--gpus/--zero/--sp/--offload), per GPU (rank); every figure is an est
   Checkpointed layers: in backward one is on the GPU in use (whole, for the layer's whole backward)
   and one more in flight (prefetch). Streamed layers bring theirs back one query chunk at a time, as
   the library does (streaming_backward/offload.py HostStorage: the planner counts its host copies, the chunks it loads
-  are allocated on the GPU); streaming is planned with sp=1 only, and not with ZeRO-3 + --offload inputs;
+  are allocated on the GPU). Under ZeRO-3 the streamed layers run nested checkpoints under torch's
+  `save_on_cpu` (every tensor their forward saves goes to the host: counted as host memory, brought
+  back as a new GPU tensor when the backward unpacks it);
 - left out as well: DeepSpeed's communication buckets (reduce_bucket_size, stage3 prefetch and
   max-live-parameters buffers: set them small), NCCL buffers, parameter prefetching beyond one
   module, pinned-memory staging; host memory counts only offloaded tensors (per GPU: multiply by

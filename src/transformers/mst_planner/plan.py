@@ -121,11 +121,19 @@ def check_parallel(parallel: Parallel, config, granularity: int, optimizer_in_ba
                         f"after the step; allowed only with --zero 0")
 
 
-def _plannable(method: str, parallel: Parallel) -> bool:
-    """Whether the parallel settings can plan `method` (streaming: sp 1, and not ZeRO-3 with input offload)."""
-    if METHODS[method].streaming_backward_chunk is None:
-        return True
-    return parallel.sp == 1 and not (parallel.zero >= 3 and "inputs" in parallel.offload)
+def _streaming_refusal(parallel: Parallel, config) -> str | None:
+    """Why the streamed methods cannot be planned with these parallel settings (a sentence), or None. Under Ulysses
+    a streamed layer splits the key/value heads over the ranks (ulysses/masks.py: check_streamable)."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if parallel.sp > 1 and kv_heads % parallel.sp:
+        return (f"streamed layers under Ulysses split the {kv_heads} key/value heads over the --sp {parallel.sp} "
+                f"ranks (no replication on that path); allowed --sp: divisors of {kv_heads}")
+    return None
+
+
+def _plannable(method: str, parallel: Parallel, config) -> bool:
+    """Whether the parallel settings can plan `method` (streaming: `_streaming_refusal`)."""
+    return METHODS[method].streaming_backward_chunk is None or _streaming_refusal(parallel, config) is None
 
 
 # Model types with a streaming_backward_chunk path (families.py); on any other the field is ignored, so a
@@ -147,20 +155,15 @@ def family_refusal(method: str, config):
     return None
 
 
-def check_methods(methods, parallel: Parallel):
+def check_methods(methods, parallel: Parallel, config):
     """Raise PlanError for an unknown method or one the parallel settings cannot plan."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise PlanError(f"--methods {' '.join(unknown)}: allowed {', '.join(METHODS)}")
     streamed = [m for m in methods if METHODS[m].streaming_backward_chunk is not None]
-    if streamed and parallel.sp > 1:
-        raise PlanError(f"--methods {' '.join(streamed)} with --sp {parallel.sp}: streaming backward is not planned "
-                        f"with Ulysses sequence parallelism (allowed with --sp 1; other methods: "
+    if streamed and (refusal := _streaming_refusal(parallel, config)):
+        raise PlanError(f"--methods {' '.join(streamed)}: not planned: {refusal} (other methods: "
                         f"{', '.join(m for m in METHODS if m not in streamed)})")
-    if streamed and parallel.zero >= 3 and "inputs" in parallel.offload:
-        raise PlanError(f"--methods {' '.join(streamed)} with --zero 3 --offload inputs: not planned (under ZeRO-3 the "
-                        f"streamed layers run nested checkpoints, whose saved inputs this offload does not move); "
-                        f"use --zero 0-2 or drop 'inputs'")
 
 
 def load_config(model: str):
@@ -276,7 +279,7 @@ class Planner:
             if getattr(self.config, "layer_types", None) is not None:
                 overrides["layer_types"] = list(self.config.layer_types[:depth])
         config = self.config.__class__(**{**self.config.to_dict(), **overrides})
-        config._attn_implementation = attention_name(self.parallel.sp)
+        config._attn_implementation = attention_name(self.parallel.sp, streamed=method.streaming_backward_chunk is not None)
         # bf16 whatever dtype the config.json names (from_config would otherwise follow config.dtype).
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.train()
@@ -317,7 +320,7 @@ class Planner:
         for real: the tests compare the two). With `shallow` (fake steps only), a stack of a few
         layers is run and the full stack's phases are walked from its own (layer_phases.py: the
         same bytes; the tests compare the two); without, every layer runs."""
-        check_methods([method], self.parallel)
+        check_methods([method], self.parallel, self.config)
         refusal = family_refusal(method, self.config)
         if refusal:
             raise PlanError(f"{method}: not planned: {refusal}")
@@ -427,11 +430,11 @@ def plan(model, gpu_memory_gib, optimizer="adamw", optimizer_in_backward=False, 
     for seq in seq_lens or ():
         if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0 or seq % sp:
             raise PlanError(f"--seq-len {seq!r}: allowed positive whole-sequence token counts divisible by --sp {sp}")
-    if methods is None:  # every method these settings can plan
-        methods = [m for m in METHODS if _plannable(m, parallel)]
-    methods = list(methods)
-    check_methods(methods, parallel)
     config = load_config(model)
+    if methods is None:  # every method these settings can plan
+        methods = [m for m in METHODS if _plannable(m, parallel, config)]
+    methods = list(methods)
+    check_methods(methods, parallel, config)
     not_planned = {m: why for m in methods if (why := family_refusal(m, config))}
     if len(not_planned) == len(methods):
         raise PlanError(f"--model {model}: none of the methods can be planned for this family: "

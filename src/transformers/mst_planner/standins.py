@@ -2,8 +2,9 @@
 attention (its memory, not its values; Ulysses' all-to-alls with sp > 1), and the per-rank work of ZeRO-2/3
 (gradient sharding, parameter gathering) and of layer-input offload (host copies counted, not held). They reach the
 runtime only through its extension points: upstream's attention and mask interfaces (registered when a plan is
-built), the attribute streaming_backward/masks.py reads, and the checkpointing function's offload tag
-(streaming_backward/offload.py)."""
+built), the attribute streaming_backward/masks.py reads, the checkpointing function's offload tag
+(streaming_backward/offload.py) and, for streamed layers under Ulysses, a ShardedSequenceMask as the layers' mask
+(mst_core/sharded_sequence.py)."""
 
 import functools
 import math
@@ -13,6 +14,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from ..mst_core.sharded_sequence import ShardedSequenceMask
 from ..streaming_backward import masks as streamed_masks
 
 
@@ -107,17 +109,97 @@ class _UlyssesFlashLikeAttention(torch.autograd.Function):
 
 
 def _ulysses_attention(module, query, key, value, attention_mask, sp, **kwargs):
+    if isinstance(attention_mask, _PlannedQueryChunk):  # a streamed layer's query chunk, the keys already gathered
+        return _UlyssesStreamedChunk.apply(query, key, value, sp).transpose(1, 2).contiguous(), None
     return _UlyssesFlashLikeAttention.apply(query, key, value, sp).transpose(1, 2).contiguous(), None
 
 
-def attention_name(sp):
+class _ExchangeHeads(torch.autograd.Function):
+    """Memory stand-in for an all-to-all between [B, H, L, D] (one shard, all heads) and [B, H/sp, sp L, D] (the
+    whole sequence, a share of the heads), either way (`to_sequence`); its backward is the other way. Each way
+    allocates a send buffer and the result (ulysses/streamed.py: heads_to_sequence, sequence_to_heads)."""
+
+    @staticmethod
+    def forward(ctx, tensor, sp, to_sequence):
+        ctx.sp, ctx.to_sequence = sp, to_sequence
+        return _exchanged(tensor, sp, to_sequence)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchanged(grad, ctx.sp, not ctx.to_sequence), None, None
+
+
+def _exchanged(tensor, sp, to_sequence):
+    b, h, s, d = tensor.shape
+    _send_buffer(tensor)
+    return tensor.new_empty((b, h // sp, s * sp, d) if to_sequence else (b, h * sp, s // sp, d))
+
+
+class _UlyssesStreamedChunk(torch.autograd.Function):
+    """Memory stand-in for a streamed layer's query chunk under Ulysses (ulysses/streamed.py): the chunk's queries
+    [B, H, C, D] go to [B, H/sp, sp C, D] (every shard's rows of the chunk), attend (a FlashAttention kernel per
+    shard's block: outputs and log-sum-exps) to the gathered keys/values [B, H_kv/sp, S, D], and the output comes
+    back to [B, H, C, D]. Backward: the three gradients, the keys'/values' for the whole gathered sequence."""
+
+    @staticmethod
+    def forward(ctx, query, keys, values, sp):
+        ctx.sp = sp
+        blocks = _exchanged(query, sp, True)
+        out_heads = blocks.new_empty(blocks.shape[:-1] + values.shape[-1:])
+        logsumexp = blocks.new_empty(blocks.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(blocks, keys, values, out_heads, logsumexp)
+        return _exchanged(out_heads, sp, False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        blocks, keys, values, _, _ = ctx.saved_tensors
+        grad_heads = _exchanged(grad_out, ctx.sp, True)
+        grad_blocks, grad_keys, grad_values = torch.empty_like(blocks), torch.empty_like(keys), torch.empty_like(values)
+        del grad_heads
+        return _exchanged(grad_blocks, ctx.sp, False), grad_keys, grad_values, None
+
+
+class _PlannedQueryChunk:
+    """The attention mask a streamed layer passes per query chunk (ShardedSequenceMask.query_chunk)."""
+
+
+class _PlannedShard(ShardedSequenceMask):
+    """Stand-in for ulysses/masks.py's UlyssesMask: what a decoder layer gets as its mask on one rank of `sp` (a plainly
+    causal sequence: no whole-sequence mask tensor is rebuilt)."""
+
+    def __init__(self, sp, q_length):
+        self.world_size, self.q_length = sp, q_length
+
+    def check_streamable(self, attention_module):
+        pass  # the heads' divisibility is checked with the parallel settings (plan.py: check_parallel)
+
+    def gather_keys_values(self, keys, values):
+        return _ExchangeHeads.apply(keys, self.world_size, True), _ExchangeHeads.apply(values, self.world_size, True)
+
+    def scatter_grad(self, grad):
+        return _exchanged(grad, self.world_size, False)
+
+    def query_chunk(self, start, end, position_ids, causal_bias):
+        return _PlannedQueryChunk()
+
+
+def _sharded_mask(sp):
+    def mask_function(*args, **kwargs):
+        return _PlannedShard(sp, kwargs["q_length"])
+
+    return mask_function
+
+
+def attention_name(sp, streamed=False):
     """The planner's attention for sequence-parallel degree `sp`, registered with upstream's attention and mask
-    interfaces on first use (importing the planner registers nothing)."""
-    name = ATTENTION if sp == 1 else f"{ATTENTION}_ulysses{sp}"
+    interfaces on first use (importing the planner registers nothing). With sp > 1 and `streamed`, the layers' mask
+    is a `_PlannedShard`, which a streamed layer reads as ulysses/masks.py's (mst_core/sharded_sequence.py)."""
+    name = ATTENTION if sp == 1 else f"{ATTENTION}_ulysses{sp}" + ("_streamed" if streamed else "")
     if name not in AttentionInterface._global_mapping:
         attention = _flash_like_attention if sp == 1 else functools.partial(_ulysses_attention, sp=sp)
         AttentionInterface.register(name, attention)
-        AttentionMaskInterface.register(name, flash_attention_mask)  # no mask tensor without padding
+        # no mask tensor without padding
+        AttentionMaskInterface.register(name, _sharded_mask(sp) if sp > 1 and streamed else flash_attention_mask)
     return name
 
 
@@ -177,12 +259,30 @@ class StepHooks:
     def load(self, saved, start, end, device):
         return torch.empty((saved.shape[0], end - start, *saved.shape[2:]), dtype=saved.dtype, device=device)
 
+    def saved_tensors_hooks(self):
+        """--offload inputs where the streamed layers run nested checkpoints (ZeRO-3): stand-in for torch's
+        `save_on_cpu`, which the library puts them under (streaming_backward/offload.py): every tensor autograd saves
+        is counted as host memory while saved (its device copy freed unless something else holds it) and comes back
+        as a new device tensor when the backward unpacks it."""
+
+        def pack(tensor):
+            nbytes = tensor.numel() * tensor.element_size()
+            saved = _HostCopy(tensor.shape, tensor.dtype, tensor.device)
+            self.add_host(nbytes)
+            weakref.finalize(saved, self._free_host, nbytes)
+            return saved
+
+        def unpack(saved):
+            return torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
 
 class _HostCopy:
     """What the planner's host storage keeps of a streamed layer's input: its shape and dtype."""
 
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = shape, dtype
+    def __init__(self, shape, dtype, device=None):
+        self.shape, self.dtype, self.device = shape, dtype, device
 
 
 def _gather(module):

@@ -342,6 +342,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                 # one block, and come back to this shard's rows once every chunk's output is done (below).
                 with torch.no_grad():
                     keys, values = streamed.sharded.gather_keys_values(keys, values)
+                buffers[0] = buffers[1] = None  # this shard's K/V: its chunks' own are recomputed below
                 blocks = [[0, len(streamed.chunks)]]
                 whole = [(0, keys.shape[2])]
                 grad_keys = RowBlocks(whole, [[0, 1]], keys, dim=2, dtype=sum_dtype)
@@ -435,13 +436,11 @@ class StreamedLayerFunction(torch.autograd.Function):
             # of their range a leaf.
             for index in sorted(streamed.blind):
                 chunk_backward(index, leaves_cache(index), own_keys_values=False)
-            if streamed.sharded is not None:  # the whole sequence's dK/dV -> this shard's rows
+            if streamed.sharded is not None:  # the whole sequence's dK/dV -> this shard's rows, one at a time
+                keys = values = None  # the gathered K/V: below, each chunk's own K/V alone (the layer stops at the cache)
                 grad_keys, grad_values = (
-                    RowBlocks.holding(streamed.chunks, blocks, part, dim=2)
-                    for part in streamed.sharded.scatter_key_value_grads(
-                        *(total.pop(0) if 0 in total.parts else torch.zeros_like(keys, dtype=sum_dtype)
-                          for total in (grad_keys, grad_values))
-                    )
+                    RowBlocks.holding(streamed.chunks, blocks, streamed.sharded.scatter_grad(total.pop_or_zeros(0)), dim=2)
+                    for total in (grad_keys, grad_values)
                 )
             # Then every chunk from the last: chunk i adds only to rows before its end, so its own rows' dK/dV are
             # final at its turn, and one backward takes its output and its own K/V. A blind chunk's own K/V: the
@@ -604,6 +603,10 @@ def skip_and_record_projections(streamed, layer):
     """On the Function's path (not under a wrapper's hooks, where every module runs as upstream's): the query
     projection the K/V passes skip and the projections whose outputs they record (cache.py, projections.py)."""
     streamed.query_projection = discardable_query_projection(parts.attention_module(layer))
+    if streamed.sharded is not None:
+        # Every chunk's output is backpropagated before any chunk's own K/V: the records of every chunk would be held
+        # at once, as much memory as the shard's K/V. Its K/V projections are recomputed instead.
+        return
     streamed.recorded_projections = RecordedProjections(
         recordable_projections(parts.attention_module(layer), skipped=streamed.query_projection)
     )

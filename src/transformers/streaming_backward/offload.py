@@ -63,7 +63,11 @@ def input_storage(layer):
 
 def saved_tensors_offloaded(storage, device: torch.device):
     """For the wrappers' fallback (checkpointed chunks): where the input is offloaded (`storage` set), every tensor
-    autograd saves goes to host memory too, as upstream's offloaded checkpointing puts them; else nothing changes."""
+    autograd saves goes to host memory too, as upstream's offloaded checkpointing puts them; else nothing changes.
+    A storage with a `saved_tensors_hooks()` method gives those hooks instead (an extension point: the planner's
+    stand-in counts the host bytes)."""
     if storage is None:
         return contextlib.nullcontext()
+    if hasattr(storage, "saved_tensors_hooks"):
+        return storage.saved_tensors_hooks()
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type != "cpu", device_type=device.type)

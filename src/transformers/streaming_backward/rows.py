@@ -77,6 +77,15 @@ class RowBlocks:
         """Block `block`'s sum (None if nothing was added to it), no longer held here."""
         return self.parts.pop(block, None)
 
+    def pop_or_zeros(self, block: int) -> torch.Tensor:
+        """Block `block`'s sum (zeros if nothing was added to it), no longer held here."""
+        total = self.parts.pop(block, None)
+        if total is None:
+            start, end = self.bounds[block]
+            self.shape[self.dim] = end - start
+            total = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return total
+
 
 def slice_rows(value, start, end, seq_len):
     """`value` (a tensor or tuple of tensors) cut to rows [start, end) along dim 1 where dim 1 is the sequence: a

@@ -140,9 +140,8 @@ class UlyssesMask(ShardedSequenceMask):
         group = self.uattn.process_group
         return heads_to_sequence(keys, self.world_size, group), heads_to_sequence(values, self.world_size, group)
 
-    def scatter_key_value_grads(self, grad_keys, grad_values):
-        group = self.uattn.process_group
-        return sequence_to_heads(grad_keys, self.world_size, group), sequence_to_heads(grad_values, self.world_size, group)
+    def scatter_grad(self, grad):
+        return sequence_to_heads(grad, self.world_size, self.uattn.process_group)
 
     def query_chunk(self, start, end, position_ids, causal_bias):
         if position_ids is None:
