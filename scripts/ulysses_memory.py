@@ -55,7 +55,7 @@ def rank_main(args):
     rows = []
     for seq in args.seq:
         local = seq // sp
-        ids = torch.randint(0, BASE["vocab_size"], (1, seq + 1), generator=torch.Generator().manual_seed(seq))
+        ids = torch.randint(0, args.vocab, (1, seq + 1), generator=torch.Generator().manual_seed(seq))
         shard = slice(rank * local, (rank + 1) * local)
         inputs = ids[:, :-1][:, shard]
         shift_labels = ids[:, 1:][:, shard]
@@ -63,7 +63,7 @@ def rank_main(args):
         for name in args.methods:
             method = METHODS[name]
             config = transformers.LlamaConfig(
-                **BASE, mini_sequence_chunk=method.mini_sequence_chunk,
+                **{**BASE, "vocab_size": args.vocab, "num_key_value_heads": args.kv_heads}, mini_sequence_chunk=method.mini_sequence_chunk,
                 streaming_backward_chunk=method.streaming_backward_chunk, attn_implementation="sdpa",
             )
             torch.manual_seed(0)
@@ -126,6 +126,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768], help="whole-sequence tokens")
     parser.add_argument("--methods", nargs="+", default=list(METHOD_NAMES), choices=METHOD_NAMES)
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (the bench's: 32000)")
+    parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads of the 4 heads (the bench's: 4)")
     parser.add_argument("--out", type=Path, help="folder for ulysses_memory.json / .md")
     parser.add_argument("--rank-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -138,7 +140,8 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     rank_out = out / "ulysses_memory.json"
     cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", __file__, "--rank-out", str(rank_out),
-           "--seq", *map(str, args.seq), "--methods", *args.methods]
+           "--seq", *map(str, args.seq), "--methods", *args.methods, "--vocab", str(args.vocab),
+           "--kv-heads", str(args.kv_heads)]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     subprocess.run(cmd, env=env, check=True)
     rows = json.loads(rank_out.read_text())

@@ -1,6 +1,7 @@
 """scripts/bench.py runs end to end on tiny sweeps and writes its tables and plots."""
 
 import csv
+import json
 from pathlib import Path
 
 from conftest import REPO, run_py
@@ -172,3 +173,21 @@ def test_hybrid_head_memory(tmp_path):
         loss_alone, loss_both = (float(x) for x in row[5].split("/"))
         assert both < 0.5 * alone, row
         assert abs(loss_alone - loss_both) < 1e-5 * loss_alone, row
+
+
+def test_ulysses_memory(tmp_path):
+    """scripts/ulysses_memory.py (CHANGELOG mst.32's numbers), short and with a small vocabulary, so that one rank's
+    layer recompute and not the LM head sets the peak: on both ranks of sp=2 the streamed step holds less than the
+    checkpointed one, its saved layer inputs are the 2 layers' [S/2, 256] fp32 inputs, and both steps give one loss."""
+    result = run_py([str(REPO / "scripts" / "ulysses_memory.py"), "--seq", "16384", "--vocab", "1024",
+                     "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "ulysses_memory.json").read_text())
+    assert sorted((r["rank"], r["method"]) for r in rows) == [
+        (rank, method) for rank in (0, 1) for method in ("mini_sequence+checkpointing", "mini_sequence+streaming")]
+    for rank in (0, 1):
+        mine = {r["method"]: r for r in rows if r["rank"] == rank}
+        streamed, checkpointed = mine["mini_sequence+streaming"], mine["mini_sequence+checkpointing"]
+        assert streamed["saved_inputs_MiB"] == 2 * 8192 * 256 * 4 / 2**20
+        assert streamed["peak_MiB"] < checkpointed["peak_MiB"], (streamed, checkpointed)
+        assert abs(streamed["loss"] - checkpointed["loss"]) < 1e-5 * checkpointed["loss"]

@@ -10,5 +10,7 @@ patches; the planner, mst_planner/, on top):
 - ``grads``: parameter gradients summed chunk by chunk (fp32 sums);
 - ``wrappers``: which parameters a chunked Function may take under DDP, FSDP, ZeRO-3, PEFT, and the checks that
   no gradient goes missing;
-- ``memory``: the live-tensor tracker that measures memory on any device.
+- ``memory``: the live-tensor tracker that measures memory on any device;
+- ``sharded_sequence``: the seam between sequence parallelism (``ulysses``) and a streamed layer
+  (``streaming_backward``), neither importing the other.
 """
