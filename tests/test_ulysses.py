@@ -41,8 +41,8 @@ CASES = {
     "glm4_moe_packed": "family=glm4_moe,case=packed",  # shared expert, group-limited sigmoid routing
     # streaming_backward_chunk under Ulysses (SP_RUNS): each rank's query chunks against the gathered keys.
     "stream_window": "family=mistral,case=window",
-    "stream_padding": "family=llama,case=padding",
-    "stream_left_padding": "family=llama,case=left_padding",  # the first rows of each row see no key
+    "stream_padding": "family=llama,case=padding,batch=2",  # 2 rows, each padded to its own length
+    "stream_left_padding": "family=llama,case=left_padding,batch=2",  # the first positions see no key
     "stream_packed": "family=qwen3,case=packed",
     "stream_qwen2_window": "family=qwen2,case=window",  # layer 0 full, layer 1 sliding (8)
     "stream_gemma3_window": "family=gemma3_text,case=window",
@@ -140,8 +140,8 @@ def test_sp2_streaming_planted_errors_are_seen(reference, tmp_path):
     specs = {
         "keys_zero2": ("stream_window", "family=mistral,case=window,stream=4,zero=2,plant=keys,steps=1"),
         "keys_zero3": ("stream_window", "family=mistral,case=window,stream=5,zero=3,plant=keys,steps=1"),
-        "mask_zero2": ("stream_padding", "family=llama,case=padding,stream=4,zero=2,plant=mask,steps=1"),
-        "mask_zero3": ("stream_left_padding", "family=llama,case=left_padding,stream=5,zero=3,plant=mask,steps=1"),
+        "mask_zero2": ("stream_padding", "family=llama,case=padding,batch=2,stream=4,zero=2,plant=mask,steps=1"),
+        "mask_zero3": ("stream_left_padding", "family=llama,case=left_padding,batch=2,stream=5,zero=3,plant=mask,steps=1"),
     }
     results = torchrun(2, 2, [f"{name}:{spec}" for name, (_, spec) in specs.items()], tmp_path, "planted")
     for name, (case, _) in specs.items():
@@ -149,3 +149,30 @@ def test_sp2_streaming_planted_errors_are_seen(reference, tmp_path):
         assert "error" not in got, (name, got)
         assert got["streamed_chunks"] > 0, name
         assert got["loss"][0] != pytest.approx(ref["loss"][0], rel=1e-5, abs=0), (name, got["loss"], ref["loss"])
+
+
+def test_streamed_chunks_refuse_what_they_cannot_run():
+    """A streamed layer under Ulysses asks the mask before computing anything (ulysses/masks.py: check_streamable): an
+    attention implementation other than sdpa, heads that sp does not divide and bidirectional attention are refused by
+    name (one process: no collective is reached)."""
+    from types import SimpleNamespace
+
+    from transformers.ulysses.masks import UlyssesMask
+
+    def module(heads=4, kv_heads=2, causal=True):
+        config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+        return SimpleNamespace(config=config, is_causal=causal)
+
+    def mask(implementation="sdpa"):
+        uattn = SimpleNamespace(world_size=2, core_attn_implementation=implementation, process_group=None)
+        return UlyssesMask(None, 16, uattn)
+
+    mask().check_streamable(module())
+    with pytest.raises(ValueError, match="attn_implementation in \\('sdpa',\\); got 'flash_attention_2'"):
+        mask("flash_attention_2").check_streamable(module())
+    with pytest.raises(ValueError, match="4 query heads and 1 key/value heads must both be divisible by 2"):
+        mask().check_streamable(module(kv_heads=1))
+    with pytest.raises(ValueError, match="needs causal attention"):
+        mask().check_streamable(module(causal=False))
+    with pytest.raises(ValueError, match="got no position_ids"):
+        mask().query_chunk(0, 4, None, None)

@@ -3,8 +3,8 @@
 Run by tests/test_ulysses.py through `torchrun --nproc_per_node N` with DS_ACCELERATOR=cpu:
 `--sp 1` under one process is the reference, `--sp 2` under two processes the Ulysses run. Each
 `--spec NAME:KEY=VALUE,...` is one Trainer run (keys: family, case, zero, chunk (mini_sequence_chunk), stream
-(streaming_backward_chunk), offload (1: layer inputs in host memory), kv (num_key_value_heads), attn, seq, steps,
-aux, plant (an error
+(streaming_backward_chunk), offload (1: layer inputs in host memory), kv (num_key_value_heads), batch (rows per
+step), attn, seq, steps, aux, plant (an error
 planted in the streamed Ulysses path, which the tests must see: "keys", "mask")),
 run one after the other in the same processes to save start-up time. A run that raises records
 its error message instead of losses. Rank 0 writes {NAME: {"loss": [...], "grad_norm": [...]} or
@@ -25,7 +25,7 @@ from leave import leave_process_group  # noqa: E402
 
 # aux=1: the MoE head adds the router's auxiliary loss (output_router_logits=True).
 DEFAULTS = dict(family="mistral", case="window", zero=2, chunk=None, stream=None, offload=0, attn="sdpa", seq=32,
-                steps=3, aux=0, plant="", kv=None)
+                steps=3, aux=0, plant="", kv=None, batch=1)
 
 
 def samples(case, seq, n, vocab, seed=1):
@@ -36,15 +36,15 @@ def samples(case, seq, n, vocab, seed=1):
         ids = torch.randint(1, vocab, (seq,), generator=g)
         sample = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq)}
         if case == "packed":  # three documents per row; positions restart at each boundary
-            cuts = [0, seq // 3 + i, 2 * seq // 3, seq]
+            cuts = [0, seq // 3 + i % 8, 2 * seq // 3, seq]
             sample["position_ids"] = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])
         elif case == "padding":  # right padding, a different length per row
-            keep = seq - 5 - 2 * i
+            keep = seq - 5 - 2 * (i % 8)
             mask = (torch.arange(seq) < keep).long()
             sample["attention_mask"] = mask
             sample["labels"] = ids.masked_fill(mask == 0, -100)
         elif case == "left_padding":  # left padding: the first rows of a shard see no key
-            keep = seq - 3 - 2 * i
+            keep = seq - 3 - 2 * (i % 8)
             mask = (torch.arange(seq) >= seq - keep).long()
             sample["attention_mask"] = mask
             sample["labels"] = ids.masked_fill(mask == 0, -100)
@@ -123,7 +123,7 @@ def train(spec, sp, workdir):
         )
     args = transformers.TrainingArguments(
         output_dir=workdir,
-        per_device_train_batch_size=1,
+        per_device_train_batch_size=spec["batch"],
         max_steps=spec["steps"],
         learning_rate=1e-2,
         logging_steps=1,
@@ -135,7 +135,7 @@ def train(spec, sp, workdir):
         disable_tqdm=True,
         **extra,
     )
-    data = samples(spec["case"], spec["seq"], 8, model.config.vocab_size)
+    data = samples(spec["case"], spec["seq"], 8 * spec["batch"], model.config.vocab_size)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=data, data_collator=transformers.default_data_collator
     )

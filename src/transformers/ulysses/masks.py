@@ -134,7 +134,9 @@ class UlyssesMask(ShardedSequenceMask):
                 "this path). Use an sp_size dividing both, or unset the field."
             )
         if not getattr(module, "is_causal", True):
-            raise ValueError(f"{STREAMING_FIELD} needs causal attention; {type(module).__name__} is bidirectional here.")
+            raise ValueError(
+                f"{STREAMING_FIELD} needs causal attention; {type(module).__name__} is bidirectional here. Unset the field."
+            )
 
     def gather_keys_values(self, keys, values):
         group = self.uattn.process_group
@@ -257,7 +259,7 @@ def wrap_registered_attention(key, value):
 
     def ulysses_attention(module, query, key_states, value_states, attention_mask, *args, **kwargs):
         if isinstance(attention_mask, StreamedQueryChunk):  # a streamed layer's query chunk (streamed.py)
-            return attention_mask.attend(module, query, key_states, value_states, core, uattn, kwargs)
+            return attention_mask.attend(module, query, key_states, value_states, core, uattn, args, kwargs)
         # DeepSpeed's wrapper would drop attention_mask here; our core function rebuilds it.
         return uattn(module, query, key_states, value_states, attention_mask, *args, **kwargs)
 

@@ -54,7 +54,7 @@ class StreamedQueryChunk:
     def __repr__(self):
         return f"StreamedQueryChunk(rows {self.start}:{self.end} of every shard, {self.mask!r})"
 
-    def attend(self, module, query, keys, values, core, uattn, kwargs):
+    def attend(self, module, query, keys, values, core, uattn, args, kwargs):
         """query [B, H, C, D] of this shard's rows [start, end); keys/values [B, H_kv/sp, S, D] (gathered) ->
         ([B, C, H, D], None), as an attention function returns."""
         sp, group = uattn.world_size, uattn.process_group
@@ -83,7 +83,7 @@ class StreamedQueryChunk:
                 block_mask = rows[..., :kv_end]
             out, _ = core(
                 module, blocks[:, :, shard * c : (shard + 1) * c], keys[:, :, :kv_end], values[:, :, :kv_end],
-                block_mask, **kwargs,
+                block_mask, *args, **kwargs,
             )
             outputs.append(out.transpose(1, 2))  # [B, H/sp, C, D]
         out = torch.cat(outputs, dim=2)  # [B, H/sp, sp C, D]
