@@ -39,6 +39,9 @@ CASES = {
     "qwen3_moe_packed": "family=qwen3_moe,case=packed",  # layer 0 dense, layer 1 sparse
     "olmoe_padding": "family=olmoe,case=padding",
     "glm4_moe_packed": "family=glm4_moe,case=packed",  # shared expert, group-limited sigmoid routing
+    # Gemma-4 text: layer 0 slides (8, heads of 8), layer 1 full with heads of 16 and keys as values, which DeepSpeed's
+    # module (built for heads of 8) cannot exchange: transformers-mst does (ulysses/exchange.py).
+    "gemma4_window": "family=gemma4_text,case=window",
     # streaming_backward_chunk under Ulysses (SP_RUNS): each rank's query chunks against the gathered keys.
     "stream_window": "family=mistral,case=window",
     "stream_padding": "family=llama,case=padding,batch=2",  # 2 rows, each padded to its own length
@@ -47,6 +50,7 @@ CASES = {
     "stream_qwen2_window": "family=qwen2,case=window",  # layer 0 full, layer 1 sliding (8)
     "stream_gemma3_window": "family=gemma3_text,case=window",
     "stream_moe": "family=mixtral,case=window",
+    "stream_gemma4_padding": "family=gemma4_text,case=padding",
 }
 # mini_sequence_chunk=4 (flag on) in one ZeRO stage, unset in the other, per case.
 SP_RUNS = {
@@ -57,7 +61,8 @@ SP_RUNS = {
         # chunks of 4 and uneven ones (5, 5, 5, 1 of each rank's 16 rows); ZeRO-2: the streamed Function
         "stream_window": ",stream=4", "stream_padding": ",stream=5,chunk=4", "stream_left_padding": ",stream=4",
         "stream_packed": ",stream=5,offload=1", "stream_qwen2_window": ",stream=4,chunk=4",
-        "stream_gemma3_window": ",stream=5", "stream_moe": ",stream=4,chunk=4"},
+        "stream_gemma3_window": ",stream=5", "stream_moe": ",stream=4,chunk=4", "gemma4_window": "",
+        "stream_gemma4_padding": ",stream=4,chunk=4"},
     3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4", "qwen3_window": "",
         "gemma3_window": ",chunk=4", "phi3_packed": ",chunk=4", "olmo2_padding": "", "olmo3_window": ",chunk=4",
         "smollm3_packed": "", "ministral3_padding": ",chunk=4", "mixtral_window": "", "qwen3_moe_packed": ",chunk=4",
@@ -65,7 +70,8 @@ SP_RUNS = {
         # ZeRO-3: the streamed layer's nested-checkpoint path (every gradient through autograd)
         "stream_window": ",stream=5,chunk=4", "stream_padding": ",stream=4", "stream_left_padding": ",stream=5",
         "stream_packed": ",stream=4,chunk=4,offload=1", "stream_qwen2_window": ",stream=5",
-        "stream_gemma3_window": ",stream=4,chunk=4", "stream_moe": ",stream=5"},
+        "stream_gemma3_window": ",stream=4,chunk=4", "stream_moe": ",stream=5", "gemma4_window": ",chunk=4",
+        "stream_gemma4_padding": ",stream=5"},
 }
 
 

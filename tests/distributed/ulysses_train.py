@@ -88,6 +88,8 @@ def train(spec, sp, workdir):
         overrides.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
     if spec["family"] == "qwen3":  # sliding layers from layer 1 on
         overrides.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    if spec["family"] == "gemma4_text":  # layer 1 (full attention): heads of 16 and keys as values, unlike layer 0's
+        overrides.update(global_head_dim=16, attention_k_eq_v=True, num_global_key_value_heads=2)
     if spec["family"] == "gemma3_text":  # layer 0 slides (8), layer 1 full
         overrides.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     if spec["family"] == "gemma":  # a model type outside the registry: Ulysses must refuse it
@@ -100,6 +102,11 @@ def train(spec, sp, workdir):
     else:
         model = make_model(spec["family"], seed=0, **overrides)
     model.config.use_cache = False
+    if spec["family"] == "gemma4_text":
+        # DeepSpeed 0.19.8 reads config.head_dim, which Gemma-4 keeps per layer (transformers raises on the global
+        # read unless allowed): it then gets the sliding layers' size, and the full-attention layers' heads are
+        # exchanged by transformers-mst (ulysses/exchange.py).
+        model.config.allow_global_per_layer_attribute_access = True
     if spec["offload"]:  # streamed layers keep their inputs in host memory (docs/streaming.md)
         model.activation_checkpointing_enable(offload=True)
 

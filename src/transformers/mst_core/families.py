@@ -116,7 +116,7 @@ FAMILIES = {
     # layers share K/V (`num_kv_shared_layers` > 0): a layer reading K/V another layer stored needs them whole, with
     # their graph. Tiny: Gemma-3 text's, with per-layer inputs of 8 (their vocabulary covers the tests' larger ones),
     # full-attention heads (`global_head_dim`) of 8 and no K/V shared (upstream's default).
-    "gemma4_text": Family("Gemma-4 text", "Gemma4TextConfig", "Gemma4ForCausalLM", "mlp", _ATTENTION,
+    "gemma4_text": Family("Gemma-4 text", "Gemma4TextConfig", "Gemma4ForCausalLM", "mlp", _ATTENTION, ulysses=True,
                           streaming_unless=("num_kv_shared_layers", "K/V shared across layers"),
                           tiny={"head_dim": 8, "global_head_dim": 8, "final_logit_softcapping": 2.0,
                                 "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],

@@ -34,7 +34,8 @@ import torch
 from ..mst_core.families import model_types
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.sharded_sequence import ShardedSequenceMask
-from .streamed import STREAMABLE_ATTENTION, StreamedQueryChunk, heads_to_sequence, sequence_to_heads
+from .exchange import fits_deepspeed, heads_to_sequence, sequence_to_heads, whole_sequence_attention
+from .streamed import STREAMABLE_ATTENTION, StreamedQueryChunk
 
 # Model types whose masks are exactly create_causal_mask / create_sliding_window_causal_mask of
 # (config, padding mask, position_ids), chosen by the attention module's `sliding_window` (families.py).
@@ -125,7 +126,8 @@ class UlyssesMask(ShardedSequenceMask):
                 f"with attn_implementation in {STREAMABLE_ATTENTION}; got {implementation!r}. Use 'sdpa' (on a GPU it "
                 "runs the chunks' causal blocks with FlashAttention kernels), or unset the field."
             )
-        heads, kv_heads = module.config.num_attention_heads, module.config.num_key_value_heads
+        heads = module.config.num_attention_heads
+        kv_heads = heads // getattr(module, "num_key_value_groups", 1)  # this layer's (Gemma-4: its own per layer)
         if heads % uattn.world_size or kv_heads % uattn.world_size:
             raise ValueError(
                 f"{STREAMING_FIELD} under Ulysses sequence parallelism (sp_size={uattn.world_size}) splits the query "
@@ -260,6 +262,12 @@ def wrap_registered_attention(key, value):
     def ulysses_attention(module, query, key_states, value_states, attention_mask, *args, **kwargs):
         if isinstance(attention_mask, StreamedQueryChunk):  # a streamed layer's query chunk (streamed.py)
             return attention_mask.attend(module, query, key_states, value_states, core, uattn, args, kwargs)
+        if isinstance(attention_mask, UlyssesMask) and not fits_deepspeed(uattn, query, key_states, value_states):
+            # A layer whose head size or key/value heads are not the ones DeepSpeed's module was built for.
+            positions = attention_mask.gathered_positions(kwargs["position_ids"], uattn)
+            return whole_sequence_attention(
+                module, query, key_states, value_states, attention_mask, positions, uattn.attn, uattn, args, kwargs
+            )
         # DeepSpeed's wrapper would drop attention_mask here; our core function rebuilds it.
         return uattn(module, query, key_states, value_states, attention_mask, *args, **kwargs)
 

@@ -14,33 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from .exchange import heads_to_sequence, sequence_to_heads
+
 # Core attention implementations a streamed query chunk runs with: SDPA takes the blocks' bottom-right causal masks;
 # FlashAttention's packed-sequence path reads position_ids of the query and key rows as one sequence.
 STREAMABLE_ATTENTION = ("sdpa",)
-
-
-def all_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Part i of dim 0 (size sp) to rank i; dim 0 of the result: the part each rank sent here. Differentiable (its
-    backward is the reverse all-to-all), by torch's functional collectives, which torch.distributed.nn's deprecated
-    all_to_all_single names as its replacement."""
-    from torch.distributed import _functional_collectives as collectives
-
-    return collectives.wait_tensor(collectives.all_to_all_single_autograd(tensor.contiguous(), None, None, group))
-
-
-def heads_to_sequence(tensor: torch.Tensor, sp: int, group) -> torch.Tensor:
-    """[B, H, L, D] of this shard -> [B, H/sp, sp L, D]: the whole sequence for this rank's heads."""
-    b, h, length, d = tensor.shape
-    parts = all_to_all(tensor.view(b, sp, h // sp, length, d).transpose(0, 1), group)  # [sp shards, B, H/sp, L, D]
-    return parts.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * length, d)
-
-
-def sequence_to_heads(tensor: torch.Tensor, sp: int, group) -> torch.Tensor:
-    """The inverse of `heads_to_sequence`: [B, H/sp, sp L, D] -> [B, H, L, D]."""
-    b, heads, whole, d = tensor.shape
-    length = whole // sp
-    parts = tensor.view(b, heads, sp, length, d).permute(2, 0, 1, 3, 4)  # [sp shards, B, H/sp, L, D]
-    return all_to_all(parts, group).transpose(0, 1).reshape(b, sp * heads, length, d)
 
 
 class StreamedQueryChunk:
