@@ -52,6 +52,10 @@ CASES = {
     "stream_moe": "family=mixtral,case=window",
     "stream_gemma4_padding": "family=gemma4_text,case=padding",
 }
+# Gemma-4 text: its third step's ZeRO-3 gradient norm moves 2.7e-5 from one process's with both fields unset and 4.4e-5
+# streamed (measured; its first two within 3e-7): three Adam steps at lr 1e-2 grow its fp32 rounding differences, as in
+# the 2-process wrapper suite (tests/test_distributed.py WEIGHT_TOLERANCE). bf16 differences are ~1e-2.
+TOLERANCE = {"gemma4_window": 5e-5, "stream_gemma4_padding": 5e-5}
 # mini_sequence_chunk=4 (flag on) in one ZeRO stage, unset in the other, per case.
 SP_RUNS = {
     2: {"window": "", "qwen2_window": ",chunk=4", "packed": ",chunk=4", "padding": "", "qwen3_window": ",chunk=4",
@@ -112,12 +116,13 @@ def test_sp2_losses_equal_one_process(reference, sp2, case):
     stream = [int(item.removeprefix("stream=")) for item in SP_RUNS[zero][case].split(",") if item.startswith("stream=")]
     chunks = -(-16 // stream[0]) if stream else 0
     assert got["streamed_chunks"] == 2 * chunks * 2 * 3, (case, zero, got["streamed_chunks"])
-    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=0), (case, zero)
+    tolerance = TOLERANCE.get(case, 1e-5)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=tolerance, abs=0), (case, zero)
     if zero == 3:
         # ZeRO-3 also gives the one-process gradient norm. Under ZeRO-2 DeepSpeed reports (and clips)
         # twice the one-process norm with sp=2 (measured, flag on and off alike: a DeepSpeed matter,
         # not a mask one); Adam's update is scale-free, so the losses above still agree.
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5, abs=0), case
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=tolerance, abs=0), case
 
 
 def test_sp2_refuses_what_it_cannot_make_exact(tmp_path):
@@ -167,7 +172,7 @@ def test_streamed_chunks_refuse_what_they_cannot_run():
 
     def module(heads=4, kv_heads=2, causal=True):
         config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
-        return SimpleNamespace(config=config, is_causal=causal)
+        return SimpleNamespace(config=config, is_causal=causal, num_key_value_groups=heads // kv_heads)
 
     def mask(implementation="sdpa"):
         uattn = SimpleNamespace(world_size=2, core_attn_implementation=implementation, process_group=None)
