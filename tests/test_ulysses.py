@@ -42,6 +42,10 @@ CASES = {
     # Gemma-4 text: layer 0 slides (8, heads of 8), layer 1 full with heads of 16 and keys as values, which DeepSpeed's
     # module (built for heads of 8) cannot exchange: transformers-mst does (ulysses/exchange.py).
     "gemma4_window": "family=gemma4_text,case=window",
+    # Llama-4 text: layer 0 chunked attention (chunks of 8), layer 1 NoPE with queries scaled by their position in the
+    # whole sequence (patch 0006 numbers a shard's from its first token); its decoder layer passes no position_ids to
+    # its attention (patch 0006 hands them over under Ulysses). A MoE block in layer 1.
+    "llama4_window": "family=llama4_text,case=window",
     # streaming_backward_chunk under Ulysses (SP_RUNS): each rank's query chunks against the gathered keys.
     "stream_window": "family=mistral,case=window",
     "stream_padding": "family=llama,case=padding,batch=2",  # 2 rows, each padded to its own length
@@ -51,6 +55,7 @@ CASES = {
     "stream_gemma3_window": "family=gemma3_text,case=window",
     "stream_moe": "family=mixtral,case=window",
     "stream_gemma4_padding": "family=gemma4_text,case=padding",
+    "stream_llama4_packed": "family=llama4_text,case=packed",
 }
 # Gemma-4 text: its third step's ZeRO-3 gradient norm moves 2.7e-5 from one process's with both fields unset and 4.4e-5
 # streamed (measured; its first two within 3e-7): three Adam steps at lr 1e-2 grow its fp32 rounding differences, as in
@@ -66,7 +71,7 @@ SP_RUNS = {
         "stream_window": ",stream=4", "stream_padding": ",stream=5,chunk=4", "stream_left_padding": ",stream=4",
         "stream_packed": ",stream=5,offload=1", "stream_qwen2_window": ",stream=4,chunk=4",
         "stream_gemma3_window": ",stream=5", "stream_moe": ",stream=4,chunk=4", "gemma4_window": "",
-        "stream_gemma4_padding": ",stream=4,chunk=4"},
+        "stream_gemma4_padding": ",stream=4,chunk=4", "llama4_window": ",chunk=4", "stream_llama4_packed": ",stream=5"},
     3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4", "qwen3_window": "",
         "gemma3_window": ",chunk=4", "phi3_packed": ",chunk=4", "olmo2_padding": "", "olmo3_window": ",chunk=4",
         "smollm3_packed": "", "ministral3_padding": ",chunk=4", "mixtral_window": "", "qwen3_moe_packed": ",chunk=4",
@@ -75,7 +80,7 @@ SP_RUNS = {
         "stream_window": ",stream=5,chunk=4", "stream_padding": ",stream=4", "stream_left_padding": ",stream=5",
         "stream_packed": ",stream=4,chunk=4,offload=1", "stream_qwen2_window": ",stream=5",
         "stream_gemma3_window": ",stream=4,chunk=4", "stream_moe": ",stream=5", "gemma4_window": ",chunk=4",
-        "stream_gemma4_padding": ",stream=5"},
+        "stream_gemma4_padding": ",stream=5", "llama4_window": "", "stream_llama4_packed": ",stream=4,chunk=4"},
 }
 
 
@@ -145,20 +150,23 @@ def test_sp2_refuses_what_it_cannot_make_exact(tmp_path):
 
 
 def test_sp2_streaming_planted_errors_are_seen(reference, tmp_path):
-    """The streamed Ulysses comparisons above can fail: a wrong exchange of keys and values, or a wrong mask row,
-    moves the first step's loss past their tolerance, on both of the streamed layer's paths (ZeRO-2: the Function;
-    ZeRO-3: nested checkpoints)."""
+    """The Ulysses comparisons above can fail: a wrong exchange of keys and values, or a wrong mask row, moves the
+    first step's loss past their tolerance, on both of the streamed layer's paths (ZeRO-2: the Function; ZeRO-3:
+    nested checkpoints), and so does numbering Llama-4's NoPE queries from 0 on every shard (9e-5 measured)."""
     specs = {
         "keys_zero2": ("stream_window", "family=mistral,case=window,stream=4,zero=2,plant=keys,steps=1"),
         "keys_zero3": ("stream_window", "family=mistral,case=window,stream=5,zero=3,plant=keys,steps=1"),
         "mask_zero2": ("stream_padding", "family=llama,case=padding,batch=2,stream=4,zero=2,plant=mask,steps=1"),
         "mask_zero3": ("stream_left_padding", "family=llama,case=left_padding,batch=2,stream=5,zero=3,plant=mask,steps=1"),
+        # Llama-4's NoPE queries numbered from 0 on every shard: unstreamed, and streamed (the chunk cache's count)
+        "offset": ("llama4_window", "family=llama4_text,case=window,zero=2,plant=offset,steps=1"),
+        "offset_streamed": ("stream_llama4_packed", "family=llama4_text,case=packed,stream=4,zero=3,plant=offset,steps=1"),
     }
     results = torchrun(2, 2, [f"{name}:{spec}" for name, (_, spec) in specs.items()], tmp_path, "planted")
     for name, (case, _) in specs.items():
         got, ref = results[name], reference[case]
         assert "error" not in got, (name, got)
-        assert got["streamed_chunks"] > 0, name
+        assert got["streamed_chunks"] > 0 or "stream=" not in specs[name][1], name
         assert got["loss"][0] != pytest.approx(ref["loss"][0], rel=1e-5, abs=0), (name, got["loss"], ref["loss"])
 
 

@@ -5,7 +5,7 @@ Run by tests/test_ulysses.py through `torchrun --nproc_per_node N` with DS_ACCEL
 `--spec NAME:KEY=VALUE,...` is one Trainer run (keys: family, case, zero, chunk (mini_sequence_chunk), stream
 (streaming_backward_chunk), offload (1: layer inputs in host memory), kv (num_key_value_heads), batch (rows per
 step), attn, seq, steps, aux, plant (an error
-planted in the streamed Ulysses path, which the tests must see: "keys", "mask")),
+planted in the Ulysses path, which the tests must see: "keys", "mask", "offset")),
 run one after the other in the same processes to save start-up time. A run that raises records
 its error message instead of losses. Rank 0 writes {NAME: {"loss": [...], "grad_norm": [...]} or
 {"error": "..."}} as JSON to --out.
@@ -90,6 +90,8 @@ def train(spec, sp, workdir):
         overrides.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)
     if spec["family"] == "gemma4_text":  # layer 1 (full attention): heads of 16 and keys as values, unlike layer 0's
         overrides.update(global_head_dim=16, attention_k_eq_v=True, num_global_key_value_heads=2)
+    if spec["family"] == "llama4_text":  # layer 0 chunked (8), layer 1 NoPE: queries scaled by 1 + 16 log1p(floor((p+1)/4))
+        overrides["attn_scale"] = 16.0  # (0.1 by default: a shard numbered from 0 moved the loss by only 7e-7)
     if spec["family"] == "gemma3_text":  # layer 0 slides (8), layer 1 full
         overrides.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     if spec["family"] == "gemma":  # a model type outside the registry: Ulysses must refuse it
@@ -169,11 +171,24 @@ def train(spec, sp, workdir):
 def planted(plant):
     """An error planted in the streamed Ulysses path: "keys" hands every query the first shard's first 4 keys and
     values where the second shard's are (as if one chunk's K/V were not exchanged); "mask" lets the second shard's first
-    4 query rows see every key, later ones included."""
+    4 query rows see every key, later ones included; "offset" numbers every shard's queries from 0."""
     from transformers.ulysses.masks import UlyssesMask
 
     if not plant:
         yield
+        return
+    if plant == "offset":  # every shard numbered from 0 (Llama-4's NoPE query scaling: patch 0006)
+        init = UlyssesMask.__init__
+
+        def numbered_from_zero(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.first_token = 0
+
+        UlyssesMask.__init__ = numbered_from_zero
+        try:
+            yield
+        finally:
+            UlyssesMask.__init__ = init
         return
     original = {"keys": UlyssesMask.gather_keys_values, "mask": UlyssesMask.build}[plant]
 

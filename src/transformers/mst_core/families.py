@@ -170,7 +170,7 @@ FAMILIES = {
     # (streaming_backward/cache.py); upstream's FlashAttention refuses chunked attention over more keys than a chunk.
     # Tiny: layer 0 dense with chunked attention (chunks of 8), layer 1 MoE (4 experts of 16) and NoPE, its query
     # scale stepping every 4 positions (the released step is 8192).
-    "llama4_text": Family("Llama-4 text", "Llama4TextConfig", "Llama4ForCausalLM", "moe", ("sdpa", "eager"),
+    "llama4_text": Family("Llama-4 text", "Llama4TextConfig", "Llama4ForCausalLM", "moe", ("sdpa", "eager"), ulysses=True,
                           tiny={"head_dim": 8, "num_local_experts": 4, "intermediate_size": 16,
                                 "intermediate_size_mlp": 64, "interleave_moe_layer_step": 2,
                                 "no_rope_layer_interval": 2, "attention_chunk_size": 8, "floor_scale": 4,

@@ -18,6 +18,7 @@ class ShardedSequenceMask:
 
     world_size: int  # ranks sharing the sequence
     q_length: int  # this rank's tokens
+    first_token: int  # the sequence's tokens before this rank's shard (a streamed chunk numbers its queries from it)
 
     def check_streamable(self, attention_module) -> None:
         """Raise (naming the setting and what is allowed) unless a streamed layer can run query chunks through this

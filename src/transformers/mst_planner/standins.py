@@ -168,7 +168,7 @@ class _PlannedShard(ShardedSequenceMask):
     causal sequence: no whole-sequence mask tensor is rebuilt)."""
 
     def __init__(self, sp, q_length):
-        self.world_size, self.q_length = sp, q_length
+        self.world_size, self.q_length, self.first_token = sp, q_length, 0
 
     def check_streamable(self, attention_module):
         pass  # the heads' divisibility is checked with the parallel settings (plan.py: check_parallel)

@@ -216,7 +216,8 @@ class StreamedCall:
                 self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
             )
         kwargs[self.cache_name] = cache
-        cache.tokens_before = start
+        # The tokens before the chunk in the whole sequence (under Ulysses, the earlier ranks' shards too).
+        cache.tokens_before = start + (self.sharded.first_token if self.sharded is not None else 0)
         try:
             # The mini-sequence MLP runs unsplit in a streamed chunk (mst_core/chunks.py); a pass that stops at the
             # cache skips the query projection.

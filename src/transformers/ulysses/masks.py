@@ -17,7 +17,8 @@ Here, when DeepSpeed registers its wrapper (`AttentionInterface.__setitem__`, pa
 3. wrap DeepSpeed's core function: after the all-to-all it rebuilds the mask of the whole
    sequence with the model's own mask function (`create_causal_mask` or
    `create_sliding_window_causal_mask`, chosen as the attention module does through its
-   `sliding_window`), from the gathered position_ids and the gathered padding mask. The mask is
+   `sliding_window`; Llama-4's chunked layers: `create_chunked_causal_mask`, chosen by the layer's
+   `layer_types` entry), from the gathered position_ids and the gathered padding mask. The mask is
    built once per forward and mask kind, and, for sdpa, stays `None` (is_causal) when the whole
    sequence is plain causal, as upstream.
 Anything we cannot rebuild raises a ValueError naming the setting, before an optimizer step.
@@ -37,8 +38,9 @@ from ..mst_core.sharded_sequence import ShardedSequenceMask
 from .exchange import fits_deepspeed, heads_to_sequence, sequence_to_heads, whole_sequence_attention
 from .streamed import STREAMABLE_ATTENTION, StreamedQueryChunk
 
-# Model types whose masks are exactly create_causal_mask / create_sliding_window_causal_mask of
-# (config, padding mask, position_ids), chosen by the attention module's `sliding_window` (families.py).
+# Model types whose masks are exactly create_causal_mask / create_sliding_window_causal_mask /
+# create_chunked_causal_mask of (config, padding mask, position_ids), chosen by the attention module's `sliding_window`
+# or its layer's `layer_types` entry (families.py).
 SUPPORTED_MODEL_TYPES = model_types(ulysses=True)
 
 _rebuilding = False  # True while we call the model's mask function ourselves
@@ -52,6 +54,7 @@ class UlyssesMask(ShardedSequenceMask):
         self.q_length = q_length  # local sequence length
         self.uattn = uattn  # DeepSpeed's UlyssesSPAttentionHF: the process group, the core attention
         self.world_size = uattn.world_size
+        self.first_token = uattn.sp_rank * q_length  # ranks hold contiguous shards
         self._full_padding = None
         self._positions = None  # the whole sequence's position_ids, gathered once (streamed layers)
         self._built = {}
@@ -62,7 +65,7 @@ class UlyssesMask(ShardedSequenceMask):
 
     def build(self, module, query, kwargs, uattn):
         global _rebuilding
-        from ..masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        from ..masking_utils import create_causal_mask, create_chunked_causal_mask, create_sliding_window_causal_mask
 
         config = module.config
         model_type = getattr(config, "model_type", None)
@@ -94,13 +97,21 @@ class UlyssesMask(ShardedSequenceMask):
         window = kwargs.get("sliding_window")
         if window is not None and window != getattr(config, "sliding_window", None):
             raise ValueError(f"Ulysses: attention sliding_window={window} differs from config.sliding_window")
-        key = (gathered, window is not None)
+        # Llama-4's rotary layers attend within chunks of attention_chunk_size (create_chunked_causal_mask)
+        layer_types = getattr(config, "layer_types", None) or ()
+        chunked = getattr(module, "layer_idx", None) is not None and module.layer_idx < len(layer_types) and (
+            layer_types[module.layer_idx] == "chunked_attention"
+        )
+        key = (gathered, window is not None, chunked)
         if key not in self._built:
             padding = self.padding
             if gathered and padding is not None:
                 padding = self._gather_padding(uattn)
             position_ids = kwargs.get("position_ids")
-            mask_function = create_sliding_window_causal_mask if window is not None else create_causal_mask
+            if chunked:
+                mask_function = create_chunked_causal_mask
+            else:
+                mask_function = create_sliding_window_causal_mask if window is not None else create_causal_mask
             # Only the shape, dtype and device of inputs_embeds are read.
             shape_only = query.new_empty((query.shape[0], q_len, 0))
             _rebuilding = True
@@ -172,6 +183,20 @@ class UlyssesMask(ShardedSequenceMask):
             torch.distributed.all_gather(parts, local, group=uattn.process_group)
             self._full_padding = torch.cat(parts, dim=1).to(torch.bool)
         return self._full_padding
+
+
+def tokens_before_shard(attention_mask) -> int:
+    """The tokens of the sequence before this rank's shard where `attention_mask` is a `UlyssesMask` (0 otherwise):
+    where a layer numbers its queries itself (Llama-4's NoPE layers, arXiv 2501.19399's temperature tuning, patch
+    0006), the positions of the whole sequence, as one process numbers them."""
+    return attention_mask.first_token if isinstance(attention_mask, UlyssesMask) else 0
+
+
+def position_ids_for_ulysses(attention_mask, position_ids) -> dict:
+    """{"position_ids": position_ids} for the attention call where `attention_mask` is a `UlyssesMask`, else {}: a
+    decoder layer that does not pass its position_ids on to its attention (Llama-4's, patch 0006) gives them to the
+    Ulysses attention, which gathers them for the whole sequence's mask; without Ulysses the call is upstream's."""
+    return {"position_ids": position_ids} if isinstance(attention_mask, UlyssesMask) else {}
 
 
 def _ulysses_mask_function(original, uattn):
