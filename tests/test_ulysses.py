@@ -183,7 +183,7 @@ def test_streamed_chunks_refuse_what_they_cannot_run():
         return SimpleNamespace(config=config, is_causal=causal, num_key_value_groups=heads // kv_heads)
 
     def mask(implementation="sdpa"):
-        uattn = SimpleNamespace(world_size=2, core_attn_implementation=implementation, process_group=None)
+        uattn = SimpleNamespace(world_size=2, sp_rank=0, core_attn_implementation=implementation, process_group=None)
         return UlyssesMask(None, 16, uattn)
 
     mask().check_streamable(module())
