@@ -117,7 +117,7 @@ def _ulysses_attention(module, query, key, value, attention_mask, sp, **kwargs):
 class _ExchangeHeads(torch.autograd.Function):
     """Memory stand-in for an all-to-all between [B, H, L, D] (one shard, all heads) and [B, H/sp, sp L, D] (the
     whole sequence, a share of the heads), either way (`to_sequence`); its backward is the other way. Each way
-    allocates a send buffer and the result (ulysses/streamed.py: heads_to_sequence, sequence_to_heads)."""
+    allocates a send buffer and the result (ulysses/exchange.py: heads_to_sequence, sequence_to_heads)."""
 
     @staticmethod
     def forward(ctx, tensor, sp, to_sequence):
