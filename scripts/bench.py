@@ -826,8 +826,7 @@ def main(argv=None):
     elif args.sweep == "hybrids":
         if device.type != "cpu":
             parser.error("the hybrids sweep measures the CPU torch path (--device cpu)")
-        runs = len(args.seq) * sum(len(hybrid_bench.METHODS) - (m in hybrid_bench.NO_MINI_SEQUENCES)
-                                   for m in hybrid_bench.MODELS)
+        runs = len(args.seq) * len(hybrid_bench.METHODS) * len(hybrid_bench.MODELS)
         with tqdm(total=runs, desc="hybrids", file=sys.stderr) as progress:
             rows = hybrid_bench.sweep_hybrids(args.seq, args.repeats, progress=progress)
         write(rows, args.out, "hybrids", hybrid_bench.header(args.repeats))

@@ -5,8 +5,10 @@ Three d=256 models, fp32, batch 1, V=1000, CPU: `gated_deltanet` (Qwen3-Next's l
 and 4 value heads of 64, a MoE block of 4 experts of 128, top-2, and a shared expert of 128, in each), `qwen3_next`
 (the same with its second layer gated attention, 4 query and 2 KV heads of 64) and `granite_h` (Granite-4.0-H: a
 Mamba2 layer of 8 heads of 64, state 16, then an attention layer; MoE of 4 experts, top-2, a shared MLP of 512).
-Methods: `checkpointing` (the fields unset, `activation_checkpointing_enable()`), `streaming` (streaming_backward_chunk
-"auto") and `both` ("auto" for both fields; Granite-4.0-H has no mini-sequence path, so not run there).
+Methods: `checkpointing` (the fields unset, `activation_checkpointing_enable()`), `mini_sequence+checkpointing`
+(mini_sequence_chunk "auto" under checkpointing: the MLP / MoE blocks, final norm and LM head + loss by mini-sequences;
+since 5.24.0+mst.33 on Granite-4.0-H), `streaming` (streaming_backward_chunk "auto") and `both` ("auto" for both
+fields).
 
 peak_MiB: the live tensor bytes of one forward + backward (`LiveTensorTracker`: the step's own tensors, not the
 weights); inputs_MiB: the layer inputs every method keeps ([S, d] fp32 per layer); step_time_s: the fastest of
@@ -39,8 +41,8 @@ MODELS = {
                        position_embedding_type="rope", max_position_embeddings=1 << 20)),
 }
 # method -> (streaming_backward_chunk, mini_sequence_chunk, checkpointing)
-METHODS = {"checkpointing": (None, None, True), "streaming": ("auto", None, False), "both": ("auto", "auto", False)}
-NO_MINI_SEQUENCES = {"granite_h"}
+METHODS = {"checkpointing": (None, None, True), "mini_sequence+checkpointing": (None, "auto", True),
+           "streaming": ("auto", None, False), "both": ("auto", "auto", False)}
 
 
 def build(name, method):
@@ -80,8 +82,6 @@ def sweep_hybrids(seqs, repeats, models=tuple(MODELS), progress=None):
         for seq in seqs:
             measured = {}
             for method in METHODS:
-                if method == "both" and name in NO_MINI_SEQUENCES:
-                    continue
                 measured[method] = measure(name, method, seq, repeats)
                 if progress is not None:
                     progress.update(1)

@@ -52,7 +52,8 @@ def train_step(model, input_ids, attention_mask, labels, embeds=True, **kwargs):
     # multimodal model's vision tower and projector out (with images, the flag-off run's set is the reference).
     trained = {n for n, p in model.named_parameters() if p.requires_grad and UNTRAINED_UPSTREAM not in n}
     if embeds:  # the embedding's gradient is that of the detached inputs_embeds (compared), unless tied to lm_head
-        assert grads.keys() >= trained - {"model.embed_tokens.weight"}
+        embedding = model.get_input_embeddings().weight  # `embed_tokens`, Nemotron-H's `embeddings`
+        assert grads.keys() >= trained - {n for n, p in model.named_parameters() if p is embedding}
     else:
         assert grads.keys() >= {n for n in trained if "vision_tower" not in n and "multi_modal_projector" not in n}
     return out, grads, (inputs["inputs_embeds"].grad if embeds else None)
@@ -743,9 +744,13 @@ def test_moe_exact_with_router_aux_loss(family, chunk):
 
 
 def moe_block(model):
-    """The last layer's MoE block (Llama-4's layers name it `feed_forward`)."""
-    layer = model.model.layers[-1]
-    return layer.mlp if hasattr(layer, "mlp") else layer.feed_forward
+    """The last MoE block: the last layer's module with experts and a router (`mlp`, Llama-4's and LFM2-MoE's
+    `feed_forward`, the Granite families' `block_sparse_moe`, Nemotron-H's `mixer` on its MoE blocks)."""
+    for layer in reversed(model.model.layers):
+        for module in layer.modules():
+            if hasattr(module, "experts") and (hasattr(module, "router") or hasattr(module, "gate")):
+                return module
+    raise AssertionError(f"{type(model).__name__} has no MoE block")
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -757,6 +762,12 @@ def test_moe_aux_loss_under_checkpointing(family):
         model.activation_checkpointing_enable()
         results.append(train_step(model, *inputs, output_router_logits=True))
     assert_same_step(results[1], results[0], FP64_CHECKED.get(family, ()))
+
+
+# GraniteMoE-shared's and Granite-4.0-H's layers run the MoE block, then the shared MLP on the same input, each chunked
+# by its own Function: the shared MLP's input is saved after the MoE block ran, so the layer's recompute runs the
+# block's forward again before it stops (3 passes; 2 for its shared MLP).
+MOE_RUNS_WITH_CHECKPOINTING = {"granitemoeshared": 3.0, "granitemoehybrid": 3.0}
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -774,25 +785,26 @@ def test_moe_checkpointing_routes_each_token_twice(family, aux, monkeypatch):
         router = block.router if hasattr(block, "router") else block.gate
         original, rows = type(router).forward, [0]
 
-        def counted(module, x, router=router, rows=rows, original=original):
+        def counted(module, x, *args, router=router, rows=rows, original=original):  # LFM2-MoE's: an expert bias
             if module is router:
                 rows[0] += x.reshape(-1, x.shape[-1]).shape[0]
-            return original(module, x)
+            return original(module, x, *args)
 
         monkeypatch.setattr(type(router), "forward", counted)
         input_ids, attention_mask, labels = batch(25)
         step = train_step(model, input_ids, attention_mask, labels)
         runs.append(rows[0] / input_ids.numel())
         monkeypatch.undo()
-    assert runs == [2.0, 2.0]
+    assert runs == [2.0, MOE_RUNS_WITH_CHECKPOINTING.get(family, 2.0)]
     assert (step[0].aux_loss is not None) == (aux and family not in NO_AUX_LOSS)
 
 
 # 16 experts, each as large as the dense MLP, in each family's own fields (Mixtral's and GPT-OSS's by default).
 _ROUTED_16 = dict(n_routed_experts=16, moe_intermediate_size=256)
-LARGE_EXPERTS = {"qwen3_moe": dict(num_experts=16, moe_intermediate_size=256), "olmoe": dict(num_experts=16),
+LARGE_EXPERTS = {"olmoe": dict(num_experts=16),
+                 **dict.fromkeys(("qwen3_moe", "lfm2_moe", "kimi_linear"), dict(num_experts=16, moe_intermediate_size=256)),
                  **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32",
-                                  "glm_moe_dsa"), _ROUTED_16)}
+                                  "glm_moe_dsa", "nemotron_h"), _ROUTED_16)}
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

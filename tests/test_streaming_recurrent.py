@@ -121,17 +121,38 @@ def test_exact_against_the_unsplit_step(family, chunk, streamed_calls, monkeypat
     assert chunks[0] == (0, size)
 
 
+# The blocks each tiny model runs by mini-sequences in one forward with `mini_sequence_chunk` alone: its MLP / MoE blocks
+# (Granite-4.0-H's MoE block and shared MLP apart; OLMo-Hybrid's attention layer's MLP with its post-feedforward norm)
+# and its final norm; Mamba2 has no MLP.
+CHUNKED_BLOCKS = {"mamba2": 1, "granitemoehybrid": 5, "nemotron_h": 3}
+
+
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
 @pytest.mark.parametrize("streaming", [None, 7])
-def test_with_mini_sequences(family, streaming, streamed_calls):
-    """mini_sequence_chunk (the LM head + loss by chunks of 16; warned about as ignored where the family has no
-    mini-sequence path: Granite-4.0-H), alone and with streamed layers."""
+def test_with_mini_sequences(family, streaming, streamed_calls, monkeypatch):
+    """mini_sequence_chunk (the MLP / MoE blocks, the final norm and the LM head + loss by chunks of 16), alone and
+    with streamed layers, where the streamed layers run their MLPs unsplit (one chunk bounds them) and Nemotron-H's
+    MLP and MoE blocks, layers of their own, stay chunked."""
+    from transformers.mini_sequence import mlp as mini_sequence_mlp
+
+    chunked = []
+    apply = mini_sequence_mlp._MiniSequenceMLPFunction.apply
+
+    def counted(x, chunk_size, forward_fn, module, *rest):
+        chunked.append(module)
+        return apply(x, chunk_size, forward_fn, module, *rest)
+
+    monkeypatch.setattr(mini_sequence_mlp._MiniSequenceMLPFunction, "apply", counted)
     batches = [_batch()]
     ids, mask, labels = batches[0]
     out = make_model(family, mini_sequence_chunk=16).train()(input_ids=ids, attention_mask=mask, labels=labels)
     assert (out.logits is None) == (REGISTRY[family].mini_sequence is not None)  # the chunked loss: no logits
-    _assert_exact(_step(family, streaming, batches, mini_sequence_chunk=16), family, streaming, batches,
-                  mini_sequence_chunk=16)
+    assert len(chunked) == CHUNKED_BLOCKS.get(family, 3), chunked
+    chunked.clear()
+    got = _step(family, streaming, batches, mini_sequence_chunk=16)
+    if streaming is not None:  # the final norm, and Nemotron-H's MLP and MoE blocks
+        assert len(chunked) == (3 if family == "nemotron_h" else 1), chunked
+    _assert_exact(got, family, streaming, batches, mini_sequence_chunk=16)
     assert bool(streamed_calls) == (streaming is not None)
 
 

@@ -37,7 +37,8 @@ NEW_FAMILIES = _entries(("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qw
 MOE_FAMILIES = tuple(t for t in model_types(mini_sequence="moe") if REGISTRY[t].tiny is not None)  # not Qwen3-VL-MoE's
 # MoE families whose head adds no router auxiliary loss (their routers balance by a bias): the router logits are still
 # recorded with output_router_logits=True, and reach the routers' gradients through the routing weights.
-NO_AUX_LOSS = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "llama4_text"}
+NO_AUX_LOSS = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "llama4_text",
+               "nemotron_h", "lfm2_moe", "kimi_linear"}
 # DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5) picks keys by a top-k, which has no gradient: upstream's
 # own step leaves its weights without one, so tests leave them out of "every parameter trained".
 UNTRAINED_UPSTREAM = ".self_attn.indexer."

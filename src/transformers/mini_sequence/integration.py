@@ -85,14 +85,16 @@ def moe_forward(block, hidden_states, tokens_flattened=False):
     return mini_sequence_moe(block, hidden_states, chunk_size, tokens_flattened)
 
 
-def final_norm(model, hidden_states):
-    """`model.norm(hidden_states)`; with `mini_sequence_chunk` set, one mini-sequence at a time (mlp.py's
+def final_norm(model, hidden_states, norm=None):
+    """`norm(hidden_states)`, the model's final norm (`model.norm` unless given: Bamba's `final_layernorm`, Nemotron-H's
+    `norm_f`, LFM2's `embedding_norm`); with `mini_sequence_chunk` set, one mini-sequence at a time (mlp.py's
     `mini_sequence_norm`: no fp32 copies of the whole sequence in its backward)."""
     config = model.config
+    norm = model.norm if norm is None else norm
     if not enabled(config):
-        return model.norm(hidden_states)
+        return norm(hidden_states)
     chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size, policy_device_type(hidden_states))
-    return mini_sequence_norm(model.norm, hidden_states, chunk_size)
+    return mini_sequence_norm(norm, hidden_states, chunk_size)
 
 
 def _text_config(model):

@@ -102,12 +102,13 @@ FAMILIES = {
                       tiny=_TINY_GRANITE),
     # GraniteMoE (`granitemoe`, IBM's PowerMoE and Granite 3.x MoE) and GraniteMoE-shared (`granitemoeshared`: a shared
     # MLP beside the experts): Granite's layers with MoE blocks recording their router logits, the aux loss in the
-    # head. LM head + loss by mini-sequences (as Granite's, with the aux loss added by upstream's lines); their MoE
-    # blocks are not chunked. Tiny: Granite's multipliers, 4 experts of 64, top-2, the aux loss weighted 1.0.
-    "granitemoe": Family("GraniteMoE", "GraniteMoeConfig", "GraniteMoeForCausalLM", "lm_head", _ATTENTION,
+    # head. MoE blocks (and the shared MLP), final norm and LM head + loss by mini-sequences (the head as Granite's,
+    # with the aux loss added by upstream's lines). Tiny: Granite's multipliers, 4 experts of 64, top-2, the aux loss
+    # weighted 1.0.
+    "granitemoe": Family("GraniteMoE", "GraniteMoeConfig", "GraniteMoeForCausalLM", "moe", _ATTENTION,
                          tiny={**_TINY_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2,
                                "router_aux_loss_coef": 1.0}),
-    "granitemoeshared": Family("GraniteMoE-shared", "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "lm_head",
+    "granitemoeshared": Family("GraniteMoE-shared", "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "moe",
                                _ATTENTION, tiny={**_TINY_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2,
                                                  "router_aux_loss_coef": 1.0, "shared_intermediate_size": 64}),
     # Gemma-4 text (`Gemma4ForCausalLM`): Gemma-3's layers plus per-layer input embeddings, K/V shared across the last
@@ -222,18 +223,31 @@ FAMILIES = {
                      tiny={"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 8}),
     # Mamba2 mixers beside attention layers, each layer one or the other (the recurrent ones' mixer `mamba`, found
     # without a config of its own: streaming_backward/__init__.py gives it the model's).
-    # Bamba (`bamba`): dense MLPs; its layers return (hidden states, attention weights). LM head + loss by
-    # mini-sequences (patch 0004) unless its z-loss is on (`z_loss_coefficient`: over the whole logits; the head then
-    # runs unsplit, warned: mini_sequence/integration.py `computes_loss`). Tiny: a Mamba2 layer (4 heads of 16, state
+    # Bamba (`bamba`): dense MLPs; its layers return (hidden states, attention weights). MLP, final norm
+    # (`final_layernorm`) and LM head + loss by mini-sequences, the head unless its z-loss is on (`z_loss_coefficient`:
+    # over the whole logits; the head then runs unsplit, warned: mini_sequence/integration.py `computes_loss`). Tiny: a Mamba2 layer (4 heads of 16, state
     # 8, one group, scan blocks of 8) then an attention layer.
-    "bamba": Family("Bamba", "BambaConfig", "BambaForCausalLM", "lm_head", _ATTENTION, streaming_recurrent="mamba",
+    "bamba": Family("Bamba", "BambaConfig", "BambaForCausalLM", "mlp", _ATTENTION, streaming_recurrent="mamba",
                     streaming_layer_returns=2,
                     tiny={"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_chunk_size": 8,
                           "mamba_n_groups": 1}),
+    # LFM2 (`lfm2`) and LFM2-MoE (`lfm2_moe`): short gated convolutions (`conv`, a conv state only) beside attention
+    # layers; LFM2-MoE's MoE blocks record their router logits (no aux loss in its head). MLP / MoE blocks, final norm
+    # (`embedding_norm`) and LM head + loss by mini-sequences, as OLMo-Hybrid's and Kimi-Linear's. Tiny: a conv
+    # layer, then an attention layer; LFM2-MoE with 4 experts of 16, top-2, no dense layers.
+    "lfm2": Family("LFM2", "Lfm2Config", "Lfm2ForCausalLM", "mlp", _ATTENTION, streaming_recurrent="conv",
+                   tiny={"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
+    # OLMo-Hybrid (`olmo_hybrid`): Gated DeltaNet layers (`linear_attn`) beside attention layers (OLMo-3's, their MLP's
+    # output normed with the MLP by mini-sequences). Tiny: one of each.
+    "olmo_hybrid": Family("OLMo-Hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", "mlp", _ATTENTION,
+                          streaming_recurrent="linear_attn",
+                          tiny={"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                                "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                "eos_token_id": 2}),
     # Granite-4.0-H (`granitemoehybrid`): Bamba's layers with a MoE block (routed experts and a shared MLP) in each,
-    # the router's aux loss. LM head + loss by mini-sequences (its head is GraniteMoE's, patch 0004). Tiny: 4 experts
-    # of 16, top-2, a shared MLP of 64, the aux loss weighted 1.0; RoPE.
-    "granitemoehybrid": Family("Granite-4.0-H", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "lm_head",
+    # the router's aux loss. MoE block, shared MLP, final norm and LM head + loss by mini-sequences (its head is
+    # GraniteMoE's). Tiny: 4 experts of 16, top-2, a shared MLP of 64, the aux loss weighted 1.0; RoPE.
+    "granitemoehybrid": Family("Granite-4.0-H", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "moe",
                                _ATTENTION, streaming_recurrent="mamba",
                                tiny={"layer_types": ["linear_attention", "full_attention"], "intermediate_size": 16,
                                      "shared_intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -242,36 +256,24 @@ FAMILIES = {
                                      "router_aux_loss_coef": 1.0}),
     # Nemotron-H (`nemotron_h`): blocks of one kind each (`layers_block_type`: a Mamba2 mixer, attention, an MLP or a
     # MoE block with a shared expert), every one under the attribute `mixer`: the Mamba2 blocks stream through their
-    # state, the attention blocks by query chunks, the MLP and MoE blocks run as upstream's (token by token: nothing
-    # to stream). Router logits recorded, no aux loss in its head; LM head + loss by mini-sequences (patch 0004: its
-    # head's fp32 logits are what the chunked loss computes in). Tiny: one block of each kind.
-    "nemotron_h": Family("Nemotron-H", "NemotronHConfig", "NemotronHForCausalLM", "lm_head", _ATTENTION,
+    # state, the attention blocks by query chunks, the MLP and MoE blocks (token by token: nothing to stream) by
+    # mini-sequences, as the final norm (`norm_f`) and the LM head + loss (its head's fp32 logits are what the chunked
+    # loss computes in). Router logits recorded, no aux loss in its head. Tiny: one block of each kind.
+    "nemotron_h": Family("Nemotron-H", "NemotronHConfig", "NemotronHForCausalLM", "moe", _ATTENTION,
                          streaming_recurrent="mixer",
                          tiny={"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
                                "num_hidden_layers": 4, "head_dim": 8, "ssm_state_size": 8, "mamba_num_heads": 4,
                                "mamba_head_dim": 16, "n_groups": 1, "chunk_size": 8, "n_routed_experts": 4,
                                "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                "moe_shared_expert_intermediate_size": 16}),
-    # LFM2 (`lfm2`) and LFM2-MoE (`lfm2_moe`): short gated convolutions (`conv`, a conv state only) beside attention
-    # layers; LFM2-MoE's MoE blocks record their router logits (no aux loss in its head). LM head + loss by
-    # mini-sequences (patch 0004), as OLMo-Hybrid's and Kimi-Linear's. Tiny: a conv layer, then an attention layer;
-    # LFM2-MoE with 4 experts of 16, top-2, no dense layers.
-    "lfm2": Family("LFM2", "Lfm2Config", "Lfm2ForCausalLM", "lm_head", _ATTENTION, streaming_recurrent="conv",
-                   tiny={"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
-    "lfm2_moe": Family("LFM2-MoE", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", "lm_head", _ATTENTION,
+    "lfm2_moe": Family("LFM2-MoE", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", "moe", _ATTENTION,
                        streaming_recurrent="conv",
                        tiny={"layer_types": ["conv", "full_attention"], "num_dense_layers": 0, "num_experts": 4,
                              "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
-    # OLMo-Hybrid (`olmo_hybrid`): Gated DeltaNet layers (`linear_attn`) beside attention layers. Tiny: one of each.
-    "olmo_hybrid": Family("OLMo-Hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", "lm_head", _ATTENTION,
-                          streaming_recurrent="linear_attn",
-                          tiny={"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
-                                "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-                                "eos_token_id": 2}),
     # Kimi-Linear (`kimi_linear`): Kimi Delta Attention layers and latent-attention (MLA) layers, both under
     # `self_attn` (told apart by the layer's `block_type`), MoE blocks with a shared expert recording their router
     # logits (no aux loss in its head). Tiny: one layer of each kind, DeepSeek-V3-style experts (4, top-2, 2 groups).
-    "kimi_linear": Family("Kimi-Linear", "KimiLinearConfig", "KimiLinearForCausalLM", "lm_head", _ATTENTION,
+    "kimi_linear": Family("Kimi-Linear", "KimiLinearConfig", "KimiLinearForCausalLM", "moe", _ATTENTION,
                           streaming_recurrent="self_attn",
                           tiny={**_TINY_LATENT, "layer_types": ["linear_attention", "full_attention"],
                                 "mlp_layer_types": ["sparse", "sparse"], "linear_num_heads": 4, "linear_head_dim": 8,
