@@ -85,6 +85,23 @@ def moe_forward(block, hidden_states, tokens_flattened=False):
     return mini_sequence_moe(block, hidden_states, chunk_size, tokens_flattened)
 
 
+def moe_plus_mlp(block, mlp, hidden_states):
+    """`block(hidden_states) + mlp(hidden_states)`: a MoE block and a shared MLP beside it on the same input (the
+    decoder layers of GraniteMoE-shared and Granite-4.0-H; `mlp` None: the block alone), patched in for upstream's
+    lines, which is what runs when the flag is unset. With `mini_sequence_chunk` set both run one mini-sequence at a
+    time through one Function (moe.py `mini_sequence_moe(..., beside=mlp)`): under checkpointing each token goes
+    through the router twice a step, not three times."""
+    if mlp is None:
+        return block(hidden_states)
+    config = block.config
+    if not enabled(config) or inside_streamed_chunk():
+        return block(hidden_states) + mlp(hidden_states)
+    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size, policy_device_type(hidden_states))
+    if hidden_states.shape[-2] <= chunk_size:
+        return block(hidden_states) + mlp(hidden_states)
+    return mini_sequence_moe(block, hidden_states, chunk_size, beside=mlp)
+
+
 def final_norm(model, hidden_states, norm=None):
     """`norm(hidden_states)`, the model's final norm (`model.norm` unless given: Bamba's `final_layernorm`, Nemotron-H's
     `norm_f`, LFM2's `embedding_norm`); with `mini_sequence_chunk` set, one mini-sequence at a time (mlp.py's

@@ -53,16 +53,21 @@ def _merged_outputs(chunks: list, batch_shape: torch.Size) -> tuple:
     return (torch.cat(first, dim=-2), *(token_major(list(parts), batch_shape) for parts in rest))
 
 
-def _chunk_forward(recording: bool, tokens_flattened: bool, block, chunk: torch.Tensor):
+def _chunk_forward(recording: bool, tokens_flattened: bool, block, chunk: torch.Tensor, beside=None):
     """The block's own forward on one chunk; while the model records router logits, with this chunk's logits as one
     more output (the router's hook appends them to the collector set here, in forward and in the rebuild alike).
     A block that flattens its output (`tokens_flattened`) has it laid out as the chunk here, [..., C, d], as the
-    chunked paths join the first output along the sequence."""
+    chunked paths join the first output along the sequence. `beside`: an MLP whose output on the same chunk is added
+    to the block's (`mini_sequence_moe`)."""
     chunk = chunk.contiguous()  # the blocks flatten their input with `.view(-1, hidden)`, which a slice refuses
     if not recording:
         outputs = module_forward(block, chunk)
     else:
         outputs = _side_effects_allowed(_recorded_chunk_forward, block, chunk)
+    if beside is not None:
+        first, *rest = _as_outputs(outputs)
+        first = first + module_forward(beside, chunk)
+        outputs = (first, *rest) if rest else first
     if not tokens_flattened:
         return outputs
     first, *rest = _as_outputs(outputs)
@@ -82,16 +87,23 @@ def _recorded_chunk_forward(block, chunk):
     return (*outputs, logits[0])
 
 
-def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int, tokens_flattened: bool = False):
+def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int, tokens_flattened: bool = False,
+                      beside=None):
     """`block(hidden_states)` [..., S, d] one mini-sequence of `chunk_size` tokens at a time, with the router
     logits recorded once, whole (see the module docstring). With `tokens_flattened`, the output is [batch * S, d],
-    as the block returns it."""
+    as the block returns it. `beside`: an MLP on the same input whose output is added to the block's (Granite's shared
+    MLP), run in the same chunks: one saved input for both, so a layer's recompute stops before either (`SavedInput`
+    in mst_core/wrappers.py), where two Functions would save it twice, the second after the block ran."""
     collector = output_capturing._active_collector.get()
     recording = collector is not None and ROUTER_LOGITS in collector
-    forward_fn = functools.partial(_chunk_forward, recording, tokens_flattened)
+    forward_fn = functools.partial(_chunk_forward, recording, tokens_flattened, beside=beside)
+    params = function_parameters(block, harmless_hook=_records_router_logits)
+    if beside is not None and params is not None:
+        beside_params = function_parameters(beside)
+        params = None if beside_params is None else params + beside_params
     if not torch.is_grad_enabled():
         outputs = _as_outputs(_forward_chunks(forward_fn, block, hidden_states, chunk_size))
-    elif (params := function_parameters(block, harmless_hook=_records_router_logits)) is not None:
+    elif params is not None:
         # The expert weights' gradients are summed over the chunks in their own dtype, as autograd sums them without
         # the flag: an fp32 sum holds 2x the experts' bf16 bytes while a layer's backward runs (planner, GPT-OSS-20B,
         # 8K tokens, mini_sequence + checkpointing: 2.55 GiB more at the step's peak).
