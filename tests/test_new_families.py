@@ -184,7 +184,8 @@ def test_mlp_body_runs_per_mini_sequence(family, monkeypatch):
     (Qwen3-MoE's layer 0 is its dense MLP.)"""
     chunk = 7
     model = make_model(family, mini_sequence_chunk=chunk)
-    mlp = model.model.layers[0].mlp
+    layer = model.model.layers[0]
+    mlp = layer.mlp if hasattr(layer, "mlp") else layer.feed_forward  # Falcon-H1's `feed_forward`
     seen = []
     original = torch.nn.Linear.forward
 

@@ -165,17 +165,19 @@ def causal_lm_loss(model, hidden_states, labels, *, logits_scaling=None, **kwarg
     return _chunked_loss(model, hidden_states, labels, _model_softcapping(model), **kwargs)
 
 
-def _scaled(model, hidden_states, logits_scaling):
-    """The hidden states whose logits are the head's logits divided by `logits_scaling` (Granite's heads): the same
-    for a head without bias, bit for bit where the scale is a power of two, else to one rounding of the division."""
-    if logits_scaling is None:
+def _scaled(model, hidden_states, logits_scaling, logits_multiplier=None):
+    """The hidden states whose logits are the head's logits divided by `logits_scaling` (Granite's heads) or times
+    `logits_multiplier` (Falcon-H1's): the same for a head without bias, bit for bit where the scale is a power of two,
+    else to one rounding of the scaling."""
+    if logits_scaling is None and logits_multiplier is None:
         return hidden_states
     if getattr(model.lm_head, "bias", None) is not None:
+        scale = f"logits_scaling={logits_scaling}" if logits_multiplier is None else f"times {logits_multiplier}"
         raise ValueError(
-            f"mini_sequence_chunk: {type(model).__name__}'s lm_head has a bias, so its logits divided by "
-            f"logits_scaling={logits_scaling} are not those of the hidden states so divided. Unset the field."
+            f"mini_sequence_chunk: {type(model).__name__}'s lm_head has a bias, so its logits scaled by {scale} are "
+            "not those of the hidden states so scaled. Unset the field."
         )
-    return hidden_states / logits_scaling
+    return hidden_states / logits_scaling if logits_multiplier is None else hidden_states * logits_multiplier
 
 
 def _model_softcapping(model):
@@ -202,20 +204,21 @@ def _chunked_loss(model, hidden_states, labels, final_logit_softcapping, **kwarg
 
 
 def causal_lm_output(model, hidden_states, labels, outputs, output_class=CausalLMOutputWithPast, *,
-                     final_logit_softcapping=_MODEL_CONFIG, logits_scaling=None, **kwargs):
+                     final_logit_softcapping=_MODEL_CONFIG, logits_scaling=None, logits_multiplier=None, **kwargs):
     """Loss of `model.lm_head(hidden_states)` against `labels`, chunk by chunk; `logits` is None.
 
     Same semantics as upstream's ForCausalLMLoss (label shift, ignore_index, shift_labels,
     num_items_in_batch) and, for Gemma-2/3/4, the logit softcap applied per chunk: `final_logit_softcapping`, by
     default the model config's (`_model_softcapping`); for Granite's heads, which divide the logits by
-    `logits_scaling`, the hidden states so divided (`_scaled`). The result
+    `logits_scaling`, the hidden states so divided, and for Falcon-H1's, which multiply them by `logits_multiplier`,
+    so multiplied (`_scaled`). The result
     is `output_class` with the base model's other outputs (its `cache`,
     hidden_states, attentions); a tuple `(loss, None, *outputs[1:])` when the base model returned a
     tuple (Mamba with `return_dict=False`), where upstream puts the logits second.
     """
     if final_logit_softcapping is _MODEL_CONFIG:
         final_logit_softcapping = _model_softcapping(model)
-    hidden_states = _scaled(model, hidden_states, logits_scaling)
+    hidden_states = _scaled(model, hidden_states, logits_scaling, logits_multiplier)
     loss = _chunked_loss(model, hidden_states, labels, final_logit_softcapping, **kwargs)
     if isinstance(outputs, tuple):
         return (loss, None, *outputs[1:])

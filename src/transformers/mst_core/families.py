@@ -280,6 +280,20 @@ FAMILIES = {
                                 "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                 "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "bos_token_id": 1,
                                 "eos_token_id": 2}),
+    # Falcon-H1 (`falcon_h1`): in every decoder layer a Mamba2 mixer and attention side by side on the same input,
+    # their outputs summed, then an MLP; muP multipliers throughout, and a head that multiplies the logits by
+    # `lm_head_multiplier` (the chunked loss takes the hidden states so multiplied: one rounding where it is not a power
+    # of two, as Granite's division). MLP, final norm and LM head + loss by mini-sequences. Its layers do not stream
+    # (one layer with both seams). Tiny: a Mamba2 mixer of 4 heads of 16 (state 8, scan blocks of 8), every multiplier
+    # away from 1.
+    "falcon_h1": Family("Falcon-H1", "FalconH1Config", "FalconH1ForCausalLM", "mlp",
+                        no_streaming="ignored (warned): attention and a Mamba2 mixer side by side in one layer",
+                        tiny={"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+                              "mamba_chunk_size": 8, "mamba_n_groups": 1, "lm_head_multiplier": 0.375,
+                              "embedding_multiplier": 2.0, "mlp_multipliers": [0.5, 1.5], "key_multiplier": 0.7,
+                              "attention_in_multiplier": 0.8, "attention_out_multiplier": 1.2,
+                              "ssm_multipliers": [0.9, 1.1, 0.8, 1.2, 0.7], "ssm_in_multiplier": 0.9,
+                              "ssm_out_multiplier": 1.1}),
     "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", adjoint=True, tiny={}),
     "falcon_mamba": Family("FalconMamba", "FalconMambaConfig", "FalconMambaForCausalLM", "lm_head", adjoint=True,
                            tiny={}),
