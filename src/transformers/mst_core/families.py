@@ -280,6 +280,16 @@ FAMILIES = {
                                 "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                 "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "bos_token_id": 1,
                                 "eos_token_id": 2}),
+    # Jamba (`jamba`; Jamba-Mini/Large 1.5-1.7): Mamba (selective-scan) layers and attention layers, a MoE block of
+    # routed experts on every other layer, the router's aux loss in the head. MLP and MoE blocks, final norm and LM
+    # head + loss by mini-sequences. Its layers do not stream: its Mamba mixers' scan starts every call from a zero
+    # state (docs/streaming.md). Tiny: a Mamba layer with an MLP, then an attention layer with 4 experts (top-2), the
+    # aux loss weighted 1.0.
+    "jamba": Family("Jamba", "JambaConfig", "JambaForCausalLM", "moe",
+                    no_streaming="ignored (warned): its Mamba scan starts every call from a zero state",
+                    tiny={"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                          "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 8,
+                          "mamba_dt_rank": 4, "router_aux_loss_coef": 1.0}),
     # Falcon-H1 (`falcon_h1`): in every decoder layer a Mamba2 mixer and attention side by side on the same input,
     # their outputs summed, then an MLP; muP multipliers throughout, and a head that multiplies the logits by
     # `lm_head_multiplier` (the chunked loss takes the hidden states so multiplied: one rounding where it is not a power
