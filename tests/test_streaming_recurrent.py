@@ -123,8 +123,8 @@ def test_exact_against_the_unsplit_step(family, chunk, streamed_calls, monkeypat
 
 # The blocks each tiny model runs by mini-sequences in one forward with `mini_sequence_chunk` alone: its MLP / MoE blocks
 # (Granite-4.0-H's MoE block with its shared MLP, OLMo-Hybrid's attention layer's MLP with its post-feedforward norm:
-# one each) and its final norm; Mamba2 has no MLP.
-CHUNKED_BLOCKS = {"mamba2": 1, "nemotron_h": 3}
+# one each) and its final norm; the Mamba families have no MLP.
+CHUNKED_BLOCKS = {"mamba2": 1, "mamba": 1, "falcon_mamba": 1, "nemotron_h": 3}
 
 
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
@@ -381,15 +381,12 @@ def test_packed_sequences_are_refused(family):
 
 
 def test_a_mixer_that_drops_the_carried_state_is_refused(monkeypatch):
-    """Mamba's (and FalconMamba's, Jamba's) selective scan starts every call from a zero state: upstream reads the
-    cache's state only in its one-token decode step. Were its mixer registered as recurrent, each chunk would start
-    afresh and no gradient would reach the state it was handed: the streamed backward refuses that chunk (and the
-    registry does not stream these families; adjoint sharding's fields are Mamba's path)."""
-    from transformers.mst_core import families
-    from transformers.streaming_backward import layer as streamed_layer_module
+    """Upstream's selective scan (Mamba's, FalconMamba's, Jamba's) starts every call from a zero state: it reads the
+    cache's state only in its one-token decode step. In a streamed chunk the mixer takes ours from the carried state
+    (adjoint_sharding/integration.py `selective_scan_for`); with upstream's planted there, each chunk would start
+    afresh and no gradient would reach the state it was handed: the streamed backward refuses that chunk."""
+    from transformers.adjoint_sharding import integration as adjoint_integration
 
-    monkeypatch.setitem(families.FAMILIES, "mamba", families.FAMILIES["mamba"]._replace(streaming_recurrent="mixer"))
-    monkeypatch.setattr(streamed_layer_module, "STREAMING_MODEL_TYPES",
-                        streamed_layer_module.STREAMING_MODEL_TYPES + ("mamba",))
+    monkeypatch.setattr(adjoint_integration, "carried_states", lambda: None)
     with pytest.raises(RuntimeError, match="returned no gradient for the state it started from"):
         _step("mamba", 7, [_batch()])

@@ -2,7 +2,8 @@
 
 `selective_scan_for(mixer, upstream_scan)` returns the scan the mixer's full-sequence path should
 call: upstream's `mamba_selective_scan` unless `config.adjoint_sharding_chunk` is set and the mixer
-is training with gradients, then the adjoint-sharded scan (same arguments and results).
+is training with gradients, then the adjoint-sharded scan (same arguments and results); in a chunk of a
+layer streamed through its state (`streaming_backward_chunk`, also Jamba's mixer), ours from that state.
 `causal_conv_for(mixer, upstream_conv)` likewise for the causal conv (only differs when the sequence
 is split across processes, see `sequence.py`).
 `uses_fused_kernel(mixer)` tells the mixer whether it may take its fused CUDA kernel shortcut.
@@ -12,6 +13,7 @@ import functools
 
 import torch
 
+from ..mst_core.chunks import carried_states
 from .config import shard_tokens
 from .scan import selective_scan
 
@@ -27,6 +29,14 @@ def applies(mixer) -> bool:
 
 
 def selective_scan_for(mixer, upstream_scan):
+    seam = carried_states()
+    if seam is not None:
+        # A chunk of a layer streamed through its state (streaming_backward/recurrent.py): upstream's scan would start
+        # from zero, ours starts from the state the previous chunk ended with (a leaf in the chunk's recompute, whose
+        # gradient the scan returns). One shard per chunk, or adjoint sharding's where that field is set too.
+        chunk = getattr(mixer.config, "adjoint_sharding_chunk", None)
+        initial_state = seam.get_recurrent_state(mixer.layer_idx)  # as the mixer reads it (None: the first chunk)
+        return functools.partial(_scan_from, initial_state, None if chunk is None else shard_tokens(chunk))
     if not applies(mixer):
         return upstream_scan
     config = mixer.config
@@ -36,6 +46,12 @@ def selective_scan_for(mixer, upstream_scan):
         truncation=getattr(config, "adjoint_truncation", None),
         link=getattr(mixer, "_mst_sequence_link", None),
     )
+
+
+def _scan_from(initial_state, shard, hidden_states, *args, **kwargs):
+    """Our selective scan from `initial_state` (None: zeros) over one streamed chunk's tokens ([B, D, T])."""
+    return selective_scan(hidden_states, *args, shard=shard or hidden_states.shape[-1], initial_state=initial_state,
+                          **kwargs)
 
 
 def causal_conv_for(mixer, upstream_conv):

@@ -1,5 +1,6 @@
 """Chunk state shared by the methods: whether this thread is running a decoder layer on one streamed query chunk
-(streaming_backward/layer.py), and which device's "auto" chunk policies apply (`policy_device_type`).
+(streaming_backward/layer.py), the states a streamed recurrent chunk carries in (`carrying_states`), and which device's
+"auto" chunk policies apply (`policy_device_type`).
 
 Inside a streamed chunk the mini-sequence MLP / MoE blocks run unsplit (mini_sequence/integration.py): the streamed
 chunk already bounds their working set to its own tokens, and a chunked Function inside the chunk's recompute would
@@ -24,6 +25,25 @@ def one_streamed_chunk():
 
 def inside_streamed_chunk() -> bool:
     return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def carrying_states(seam):
+    """While a streamed recurrent chunk runs its layer's forward (streaming_backward/recurrent.py), the cache it hands
+    the layer (`StateSeam`): a mixer whose upstream scan starts every call from a zero state (Mamba's, FalconMamba's,
+    Jamba's selective scan reads the cache's state only in its one-token decode step) takes ours from the seam's state
+    instead (adjoint_sharding/integration.py `selective_scan_for`)."""
+    previous = getattr(_state, "seam", None)
+    _state.seam = seam
+    try:
+        yield
+    finally:
+        _state.seam = previous
+
+
+def carried_states():
+    """The `StateSeam` of the streamed recurrent chunk running in this thread, or None."""
+    return getattr(_state, "seam", None)
 
 
 @contextlib.contextmanager

@@ -282,11 +282,11 @@ FAMILIES = {
                                 "eos_token_id": 2}),
     # Jamba (`jamba`; Jamba-Mini/Large 1.5-1.7): Mamba (selective-scan) layers and attention layers, a MoE block of
     # routed experts on every other layer, the router's aux loss in the head. MLP and MoE blocks, final norm and LM
-    # head + loss by mini-sequences. Its layers do not stream: its Mamba mixers' scan starts every call from a zero
-    # state (docs/streaming.md). Tiny: a Mamba layer with an MLP, then an attention layer with 4 experts (top-2), the
-    # aux loss weighted 1.0.
-    "jamba": Family("Jamba", "JambaConfig", "JambaForCausalLM", "moe",
-                    no_streaming="ignored (warned): its Mamba scan starts every call from a zero state",
+    # head + loss by mini-sequences. Streamed as the other hybrids: its Mamba layers (`mamba`) through their state,
+    # whose scan, which upstream starts from zero on every call, is ours from the carried state in a streamed chunk
+    # (patch 0011, adjoint_sharding/integration.py). Tiny: a Mamba layer with an MLP, then an attention layer with 4
+    # experts (top-2), the aux loss weighted 1.0.
+    "jamba": Family("Jamba", "JambaConfig", "JambaForCausalLM", "moe", _ATTENTION, streaming_recurrent="mamba",
                     tiny={"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                           "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 8,
                           "mamba_dt_rank": 4, "router_aux_loss_coef": 1.0}),
@@ -304,9 +304,12 @@ FAMILIES = {
                               "attention_in_multiplier": 0.8, "attention_out_multiplier": 1.2,
                               "ssm_multipliers": [0.9, 1.1, 0.8, 1.2, 0.7], "ssm_in_multiplier": 0.9,
                               "ssm_out_multiplier": 1.1}),
-    "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", adjoint=True, tiny={}),
-    "falcon_mamba": Family("FalconMamba", "FalconMambaConfig", "FalconMambaForCausalLM", "lm_head", adjoint=True,
-                           tiny={}),
+    # Mamba and FalconMamba: adjoint sharding's fields, and streamed through their state as Mamba2 (their scan in a
+    # streamed chunk ours, from the carried state: patch 0011).
+    "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", streaming_recurrent="mixer", adjoint=True,
+                    tiny={}),
+    "falcon_mamba": Family("FalconMamba", "FalconMambaConfig", "FalconMambaForCausalLM", "lm_head",
+                           streaming_recurrent="mixer", adjoint=True, tiny={}),
 }
 
 # The tests' tiny models (tests/tiny_models.py): shared sizes, per family `Family.tiny` on top.

@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from ..mst_core.chunks import one_streamed_chunk, policy_device_type
+from ..mst_core.chunks import carrying_states, one_streamed_chunk, policy_device_type
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
@@ -115,7 +115,7 @@ class RecurrentCall:
         start, end = self.chunks[index]
         kwargs = {name: slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
         kwargs[self.cache_name] = seam
-        with one_streamed_chunk(), router.chunk_collector(self.records_router_logits) as collected:
+        with one_streamed_chunk(), carrying_states(seam), router.chunk_collector(self.records_router_logits) as collected:
             out = self.forward(self.layer, x_chunk, **kwargs)
         if not seam.met:
             raise ValueError(
