@@ -139,12 +139,14 @@ class MambaMethod(NamedTuple):
     mini_sequence_chunk: object  # chunked LM head + loss
     checkpointing: bool
     adjoint_truncation: int | None = None
+    streaming_backward_chunk: object = None  # each layer streamed through its state (since 5.24.0+mst.33)
 
 
 def mamba_methods(truncation):
     return {"upstream": MambaMethod(None, None, False), "upstream+checkpointing": MambaMethod(None, None, True),
             "adjoint": MambaMethod("auto", "auto", False), "adjoint+checkpointing": MambaMethod("auto", "auto", True),
-            f"truncated T={truncation}": MambaMethod("auto", "auto", False, truncation)}
+            f"truncated T={truncation}": MambaMethod("auto", "auto", False, truncation),
+            "streaming": MambaMethod(None, "auto", False, streaming_backward_chunk="auto")}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -253,7 +255,8 @@ class MambaTrainee(Trainee):
     def __init__(self, method: MambaMethod, seq, device, dtype, fake=False):
         config = transformers.MambaConfig(**MAMBA_BASE, adjoint_sharding_chunk=method.adjoint_sharding_chunk,
                                           adjoint_truncation=method.adjoint_truncation,
-                                          mini_sequence_chunk=method.mini_sequence_chunk, use_cache=False)
+                                          mini_sequence_chunk=method.mini_sequence_chunk,
+                                          streaming_backward_chunk=method.streaming_backward_chunk, use_cache=False)
         torch.manual_seed(0)
         self.model = transformers.MambaForCausalLM(config).train()
         if not fake:  # (a fake model stays as built: CPU, fp32)
@@ -540,13 +543,13 @@ def streaming_summary(rows):
 
 
 UPSTREAM_METHODS = ("upstream", "upstream+checkpointing")
-MAMBA_METHOD_NAMES = ["upstream", "upstream+checkpointing", "adjoint", "adjoint+checkpointing", "truncated"]
+MAMBA_METHOD_NAMES = ["upstream", "upstream+checkpointing", "adjoint", "adjoint+checkpointing", "truncated", "streaming"]
 
 
 def sweep_mamba(args, device):
     """Adjoint sharding, Mamba (MAMBA_BASE), every point measured in this run:
 
-    methods  at each --seq, the five methods (`mamba_methods`): peak of a full training step and median
+    methods  at each --seq, the six methods (`mamba_methods`): peak of a full training step and median
              step time of --repeats interleaved steps (--upstream-repeats for upstream's two, whose steps
              take minutes). Upstream's methods run for real up to --upstream-max-seq; at the --fake-seq
              lengths above it, --fake-methods get their peak under FakeTensorMode (peak_kind "fake") and

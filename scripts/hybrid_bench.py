@@ -4,7 +4,9 @@
 Three d=256 models, fp32, batch 1, V=1000, CPU: `gated_deltanet` (Qwen3-Next's layers: 2 Gated DeltaNet layers of 2 key
 and 4 value heads of 64, a MoE block of 4 experts of 128, top-2, and a shared expert of 128, in each), `qwen3_next`
 (the same with its second layer gated attention, 4 query and 2 KV heads of 64) and `granite_h` (Granite-4.0-H: a
-Mamba2 layer of 8 heads of 64, state 16, then an attention layer; MoE of 4 experts, top-2, a shared MLP of 512).
+Mamba2 layer of 8 heads of 64, state 16, then an attention layer; MoE of 4 experts, top-2, a shared MLP of 512). Not
+Jamba: its checkpointed step runs upstream's PyTorch selective scan, whose backward on the CPU is quadratic in the
+length (one zero-filled `[B, D, S, N]` gradient per token; docs/adjoint-sharding.md).
 Methods: `checkpointing` (the fields unset, `activation_checkpointing_enable()`), `mini_sequence+checkpointing`
 (mini_sequence_chunk "auto" under checkpointing: the MLP / MoE blocks, final norm and LM head + loss by mini-sequences;
 since 5.24.0+mst.33 on Granite-4.0-H), `streaming` (streaming_backward_chunk "auto") and `both` ("auto" for both

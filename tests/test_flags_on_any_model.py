@@ -39,7 +39,8 @@ TINY_CONFIGS = {  # model types without some or all of our paths (qwen3: only mi
 }
 PATH_MODEL_TYPES = {
     "mini_sequence_chunk": {"llama", "mamba", "qwen3", "mamba2"},  # qwen3: since 5.24.0+mst.9; mamba2: mst.29
-    "streaming_backward_chunk": {"llama", "qwen3", "mamba2"},  # qwen3: the generic streamed layer; mamba2: recurrent.py
+    "streaming_backward_chunk": {"llama", "qwen3", "mamba2", "mamba"},  # qwen3: the generic streamed layer; mamba2:
+    # recurrent.py; mamba: since 5.24.0+mst.33, its scan from the carried state
     "adjoint_sharding_chunk": {"mamba"},
     "adjoint_truncation": {"mamba"},
 }

@@ -225,8 +225,8 @@ FAMILIES = {
     # without a config of its own: streaming_backward/__init__.py gives it the model's).
     # Bamba (`bamba`): dense MLPs; its layers return (hidden states, attention weights). MLP, final norm
     # (`final_layernorm`) and LM head + loss by mini-sequences, the head unless its z-loss is on (`z_loss_coefficient`:
-    # over the whole logits; the head then runs unsplit, warned: mini_sequence/integration.py `computes_loss`). Tiny: a Mamba2 layer (4 heads of 16, state
-    # 8, one group, scan blocks of 8) then an attention layer.
+    # over the whole logits; the head then runs unsplit, warned: mini_sequence/integration.py `computes_loss`). Tiny:
+    # a Mamba2 layer (4 heads of 16, state 8, one group, scan blocks of 8) then an attention layer.
     "bamba": Family("Bamba", "BambaConfig", "BambaForCausalLM", "mlp", _ATTENTION, streaming_recurrent="mamba",
                     streaming_layer_returns=2,
                     tiny={"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_chunk_size": 8,
