@@ -28,17 +28,24 @@ def inside_streamed_chunk() -> bool:
 
 
 @contextlib.contextmanager
+def _thread_value(name, value):
+    """`_state.<name>` set to `value` inside the block, its previous value (or None) restored after."""
+    previous = getattr(_state, name, None)
+    setattr(_state, name, value)
+    try:
+        yield
+    finally:
+        setattr(_state, name, previous)
+
+
+@contextlib.contextmanager
 def carrying_states(seam):
     """While a streamed recurrent chunk runs its layer's forward (streaming_backward/recurrent.py), the cache it hands
     the layer (`StateSeam`): a mixer whose upstream scan starts every call from a zero state (Mamba's, FalconMamba's,
     Jamba's selective scan reads the cache's state only in its one-token decode step) takes ours from the seam's state
     instead (adjoint_sharding/integration.py `selective_scan_for`)."""
-    previous = getattr(_state, "seam", None)
-    _state.seam = seam
-    try:
+    with _thread_value("seam", seam):
         yield
-    finally:
-        _state.seam = previous
 
 
 def carried_states():
@@ -51,12 +58,8 @@ def chunk_policy_for(device_type: str):
     """The "auto" chunk policies of `device_type` inside the block (mini_sequence/config.py, streaming_backward/
     config.py: an accelerator takes longer chunks than the CPU), whatever device the tensors are on: the planner
     stands in for a GPU with (fake) CPU tensors (mst_planner/plan.py)."""
-    previous = getattr(_state, "policy_device_type", None)
-    _state.policy_device_type = device_type
-    try:
+    with _thread_value("policy_device_type", device_type):
         yield
-    finally:
-        _state.policy_device_type = previous
 
 
 def policy_device_type(tensor) -> str:
