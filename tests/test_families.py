@@ -60,6 +60,16 @@ def test_checks_follow_the_registry(model_type):
     assert (model_type in ulysses.SUPPORTED_MODEL_TYPES) == family.ulysses
 
 
+@pytest.mark.parametrize("model_type", sorted(t for t, f in families.FAMILIES.items() if f.mini_sequence in ("mlp", "moe")))
+def test_bad_mini_sequence_chunk_refused_at_config_construction(model_type):
+    """Every family whose MLP the field chunks declares it on its config (patch 0002): a bad value raises when the
+    config is built, not later at the model's construction (patch 0005's check for the other model types)."""
+    config_class = getattr(transformers, families.FAMILIES[model_type].config_class)
+    assert "mini_sequence_chunk" in config_class.__dataclass_fields__, model_type
+    with pytest.raises(ValueError, match=r"mini_sequence_chunk.*None, \"auto\", or a positive int"):
+        config_class(mini_sequence_chunk=0)
+
+
 def test_model_types_filters():
     assert families.model_types(ulysses=True) == (
         "llama", "qwen2", "mistral", "gemma2", "qwen3", "phi3", "olmo2", "gemma3_text", "olmo3", "smollm3",

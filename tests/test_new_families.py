@@ -799,7 +799,8 @@ def test_moe_checkpointing_routes_each_token_twice(family, aux, monkeypatch):
 # 16 experts, each as large as the dense MLP, in each family's own fields (Mixtral's and GPT-OSS's by default).
 _ROUTED_16 = dict(n_routed_experts=16, moe_intermediate_size=256)
 LARGE_EXPERTS = {"olmoe": dict(num_experts=16),
-                 **dict.fromkeys(("qwen3_moe", "lfm2_moe", "kimi_linear"), dict(num_experts=16, moe_intermediate_size=256)),
+                 **dict.fromkeys(("qwen3_moe", "lfm2_moe", "kimi_linear"),
+                                 dict(num_experts=16, moe_intermediate_size=256)),
                  **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32",
                                   "glm_moe_dsa", "nemotron_h"), _ROUTED_16)}
 
