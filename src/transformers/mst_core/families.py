@@ -15,8 +15,8 @@ class Family(NamedTuple):
     config_class: str  # transformers' configuration class
     model_class: str  # the model class trained with a language-modelling loss (`*ForCausalLM`, or the composite's)
     # What mini_sequence_chunk chunks: "mlp" (MLP, final norm, LM head + loss), "moe" (the same with MoE blocks by
-    # token chunks), "lm_head" (LM head + loss only: state-space models), "text_config" (a composite whose text
-    # config carries the field), or None.
+    # token chunks), "lm_head" (final norm and LM head + loss only: state-space models), "text_config" (a composite
+    # whose text config carries the field), or None.
     mini_sequence: str | None
     # Attention implementations streaming_backward_chunk streams this family's decoder layers with (tested: the
     # layer's own forward per query chunk, streaming_backward/); () where the field is not supported.
@@ -442,7 +442,7 @@ def model_types(**wanted) -> tuple:
 _MINI_SEQUENCE_CELLS = {
     "mlp": "yes",
     "moe": "yes, MoE blocks (router logits, aux loss exact)",
-    "lm_head": "LM head + loss",
+    "lm_head": "final norm, LM head + loss",
     "text_config": "on `text_config`: text MLP and the composite's LM head + loss",
     None: "ignored",
 }
