@@ -65,11 +65,12 @@ def mlp_then_norm(mlp, norm, hidden_states):
     return mini_sequence_mlp_then_norm(mlp, norm, hidden_states, chunk_size)
 
 
-def moe_forward(block, hidden_states, tokens_flattened=False):
+def moe_forward(block, hidden_states, tokens_flattened=False, beside=None):
     """A sparse MoE block (Mixtral, Qwen3-MoE, GPT-OSS) on `hidden_states` one mini-sequence of tokens at a time,
     or None (run upstream's body), as `mlp_forward`; moe.py records the router logits once, whole. Router jitter
     noise in training draws a different noise per chunk than over the whole sequence, so such a block runs unsplit.
-    `tokens_flattened`: the block returns its output as [batch * S, d], token-major (Llama-4's), not [..., S, d]."""
+    `tokens_flattened`: the block returns its output as [batch * S, d], token-major (Llama-4's), not [..., S, d].
+    `beside`: an MLP on the same input whose output is added to the block's, run in the same chunks (`moe_plus_mlp`)."""
     config = block.config
     if not enabled(config) or inside_streamed_chunk():
         return None
@@ -82,24 +83,20 @@ def moe_forward(block, hidden_states, tokens_flattened=False):
             "run unsplit (chunks would draw other noise than the whole sequence). The rest stays chunked."
         )
         return None
-    return mini_sequence_moe(block, hidden_states, chunk_size, tokens_flattened)
+    return mini_sequence_moe(block, hidden_states, chunk_size, tokens_flattened, beside=beside)
 
 
 def moe_plus_mlp(block, mlp, hidden_states):
     """`block(hidden_states) + mlp(hidden_states)`: a MoE block and a shared MLP beside it on the same input (the
     decoder layers of GraniteMoE-shared and Granite-4.0-H; `mlp` None: the block alone), patched in for upstream's
     lines, which is what runs when the flag is unset. With `mini_sequence_chunk` set both run one mini-sequence at a
-    time through one Function (moe.py `mini_sequence_moe(..., beside=mlp)`): under checkpointing each token goes
-    through the router twice a step, not three times."""
+    time through one Function (`moe_forward(..., beside=mlp)`): under checkpointing each token goes through the router
+    twice a step, not three times."""
     if mlp is None:
         return block(hidden_states)
-    config = block.config
-    if not enabled(config) or inside_streamed_chunk():
-        return block(hidden_states) + mlp(hidden_states)
-    chunk_size = mlp_chunk_size(config.mini_sequence_chunk, config.hidden_size, policy_device_type(hidden_states))
-    if hidden_states.shape[-2] <= chunk_size:
-        return block(hidden_states) + mlp(hidden_states)
-    return mini_sequence_moe(block, hidden_states, chunk_size, beside=mlp)
+    if (mini_sequence_out := moe_forward(block, hidden_states, beside=mlp)) is not None:
+        return mini_sequence_out
+    return block(hidden_states) + mlp(hidden_states)
 
 
 def final_norm(model, hidden_states, norm=None):
