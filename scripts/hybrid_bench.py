@@ -1,11 +1,12 @@
 """Memory and time of a training step of the hybrids' layer kinds, streamed against gradient checkpointing
 (`bench.py hybrids`; docs/streaming.md, "Recurrent layers").
 
-Three d=256 models, fp32, batch 1, V=1000, CPU: `gated_deltanet` (Qwen3-Next's layers: 2 Gated DeltaNet layers of 2 key
+Four d=256 models, fp32, batch 1, V=1000, CPU: `gated_deltanet` (Qwen3-Next's layers: 2 Gated DeltaNet layers of 2 key
 and 4 value heads of 64, a MoE block of 4 experts of 128, top-2, and a shared expert of 128, in each), `qwen3_next`
-(the same with its second layer gated attention, 4 query and 2 KV heads of 64) and `granite_h` (Granite-4.0-H: a
-Mamba2 layer of 8 heads of 64, state 16, then an attention layer; MoE of 4 experts, top-2, a shared MLP of 512). Not
-Jamba: its checkpointed step runs upstream's PyTorch selective scan, whose backward on the CPU is quadratic in the
+(the same with its second layer gated attention, 4 query and 2 KV heads of 64), `granite_h` (Granite-4.0-H: a
+Mamba2 layer of 8 heads of 64, state 16, then an attention layer; MoE of 4 experts, top-2, a shared MLP of 512), and
+`falcon_h1` (since 5.24.0+mst.34: 2 Falcon-H1 layers, each a Mamba2 mixer of 8 heads of 64, state 16, beside attention
+of 4 query and 2 KV heads of 64, then an MLP of 512). Not Jamba: its checkpointed step runs upstream's PyTorch selective scan, whose backward on the CPU is quadratic in the
 length (one zero-filled `[B, D, S, N]` gradient per token; docs/adjoint-sharding.md).
 Methods: `checkpointing` (the fields unset, `activation_checkpointing_enable()`), `mini_sequence+checkpointing`
 (mini_sequence_chunk "auto" under checkpointing: the MLP / MoE blocks, final norm and LM head + loss by mini-sequences;
@@ -41,6 +42,11 @@ MODELS = {
                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                        mamba_n_heads=8, mamba_d_head=64, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=256,
                        position_embedding_type="rope", max_position_embeddings=1 << 20)),
+    "falcon_h1": (transformers.FalconH1Config, transformers.FalconH1ForCausalLM,
+                  dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=512, mamba_n_heads=8,
+                       mamba_d_head=64, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=256,
+                       max_position_embeddings=1 << 20)),
 }
 # method -> (streaming_backward_chunk, mini_sequence_chunk, checkpointing)
 METHODS = {"checkpointing": (None, None, True), "mini_sequence+checkpointing": (None, "auto", True),

@@ -149,7 +149,8 @@ def test_hybrids_sweep(tmp_path):
     rows = read_csv(tmp_path / "hybrids.csv")
     methods = ("checkpointing", "mini_sequence+checkpointing", "streaming", "both")
     assert [(r["model"], r["method"]) for r in rows] == [
-        (model, method) for model in ("gated_deltanet", "qwen3_next", "granite_h") for method in methods]
+        (model, method) for model in ("gated_deltanet", "qwen3_next", "granite_h", "falcon_h1")
+        for method in methods]
     checkpointed = {r["model"]: float(r["peak_MiB"]) for r in rows if r["method"] == "checkpointing"}
     for r in rows:
         assert float(r["step_time_s"]) > 0 and float(r["inputs_MiB"]) == 4.0

@@ -18,6 +18,9 @@ from transformers.streaming_backward import parts, recurrent
 
 SEQ = 45
 CONV_STATE_ONLY = {"lfm2", "lfm2_moe"}  # short convolutions: no recurrent state
+# Attention and a recurrent mixer side by side in every layer: streamed by query chunks, the mixer's states carried
+# (streaming_backward/layer.py `states_mixer`); test_side_by_side_layers_meet_both_seams checks this set.
+SIDE_BY_SIDE = {"falcon_h1"}
 RTOL = 1e-5  # fp32: the same arithmetic in another order (the scan's blocks start at each chunk's start)
 # Where fp32 rounding alone moves a gradient by more than RTOL (Gated DeltaNet's decay parameters `A_log`, `dt_bias`:
 # a sum over every position of terms that nearly cancel; upstream's own fp32 step is 3e-5..6e-5 from its fp64 one),
@@ -95,15 +98,24 @@ def _recurrent_layers(model):
 
 @pytest.fixture
 def streamed_calls(monkeypatch):
-    """The streamed Function's calls and their chunks (so that no test compares the unsplit step with itself)."""
+    """The streamed Functions' calls of layers carrying a state and their chunks (so that no test compares the unsplit
+    step with itself): the recurrent layers' Function, and the streamed layer's where a mixer sits beside the
+    attention (Falcon-H1)."""
     calls = []
     apply = recurrent.StreamedRecurrentFunction.apply
+    layer_apply = streamed_layer.StreamedLayerFunction.apply
 
     def counted(x, call, *params):
         calls.append(list(call.chunks))
         return apply(x, call, *params)
 
+    def counted_layer(x, streamed, *rest):
+        if streamed.states_mixer is not None:
+            calls.append(list(streamed.chunks))
+        return layer_apply(x, streamed, *rest)
+
     monkeypatch.setattr(recurrent.StreamedRecurrentFunction, "apply", counted)
+    monkeypatch.setattr(streamed_layer.StreamedLayerFunction, "apply", counted_layer)
     return calls
 
 
@@ -233,7 +245,8 @@ def test_a_cache_holding_a_state_is_refused(family):
     ids, _, _ = _batch()
     with torch.no_grad():  # a forward without gradients fills the cache, as upstream's
         cache = model(input_ids=ids, use_cache=True).past_key_values
-    with pytest.raises(ValueError, match="holds layer 0's state from an earlier call"):
+    # Falcon-H1's layers (attention beside the mixer) are refused for the cached keys first
+    with pytest.raises(ValueError, match="holds (layer 0's state from an earlier call|45 cached tokens)"):
         model(input_ids=ids, cache=cache, use_cache=True)
 
 
@@ -280,9 +293,10 @@ def test_offloaded_input_read_back_by_chunks(family, streamed_calls):
     layers = model.config.num_hidden_layers
     assert storage.saved == [tuple(ids.shape) + (model.config.hidden_size,)] * layers
     chunks = [(start, min(start + 7, SEQ)) for start in range(0, SEQ, 7)]
-    if _recurrent_layers(model) == layers:
+    if _recurrent_layers(model) == layers and family not in SIDE_BY_SIDE:
         assert storage.loads == list(reversed(chunks)) * layers  # each chunk's rows once, from the last
-    else:  # a hybrid: layer 0 (linear attention) goes back last; the attention layer reads its rows as test_streaming's
+    else:  # a hybrid: layer 0 (linear attention) goes back last; an attention layer (Falcon-H1's too: its K/V pass
+        # first) reads its rows as test_streaming's, its chunks' turns from the last
         assert storage.loads[-len(chunks):] == list(reversed(chunks))
 
 
@@ -364,7 +378,8 @@ def test_hybrid_with_flash_attention(family, flash_reference, monkeypatch):
     batches = [_batch()]
     calls = _streamed_layer_calls(monkeypatch)
     got = _step(family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
-    assert calls == ["recurrent", "attention"] and "reference_flash_varlen" in flash_reference.calls
+    layers = ["attention", "attention"] if family in SIDE_BY_SIDE else ["recurrent", "attention"]
+    assert calls == layers and "reference_flash_varlen" in flash_reference.calls
     _assert_exact(got, family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
 
 
@@ -390,3 +405,37 @@ def test_a_mixer_that_drops_the_carried_state_is_refused(monkeypatch):
     monkeypatch.setattr(adjoint_integration, "carried_states", lambda: None)
     with pytest.raises(RuntimeError, match="returned no gradient for the state it started from"):
         _step("mamba", 7, [_batch()])
+
+
+def test_side_by_side_layers_meet_both_seams(monkeypatch):
+    """Falcon-H1 runs attention and a Mamba2 mixer side by side in every layer: streamed by query chunks, the mixer's
+    states carried from chunk to chunk (layer.py `states_mixer`), for the families of SIDE_BY_SIDE only. Left padding
+    longer than a chunk makes chunks after the first blind (they read every key: their output is backpropagated
+    before any chunk's turn), so their start states get gradients from two passes, summed: exact. (Dropping the early
+    pass's share fails the chunks-of-1 case of test_exact_against_the_unsplit_step, measured.)"""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for family in RECURRENT_FAMILIES:
+        layers = [module for module in make_model(family).modules() if isinstance(module, GradientCheckpointingLayer)]
+        assert any(parts.mixer_beside_attention(layer) is not None for layer in layers) == (family in SIDE_BY_SIDE)
+    blind = []
+    init = streamed_layer.StreamedCall.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        blind.append(set(self.blind))
+
+    monkeypatch.setattr(streamed_layer.StreamedCall, "__init__", recorded)
+    batches = [_batch()]  # row 1 left-padded by 6 tokens: chunks of 2 at 0, 2 and 4 hold rows that see no key
+    _assert_exact(_step("falcon_h1", 2, batches), "falcon_h1", 2, batches)
+    assert blind and all(chunks == {0, 1, 2} for chunks in blind), blind
+
+
+def test_side_by_side_blind_chunks_after_unblind_ones_are_refused(monkeypatch):
+    """A chunk reading keys after its own rows (a bidirectional block of a custom mask) runs after every other chunk;
+    beside a mixer whose state goes from chunk to chunk that order cannot hold unless such chunks start the sequence:
+    refused at the call, naming the chunks."""
+    plan = streamed_layer.plan_key_ranges
+    monkeypatch.setattr(streamed_layer, "plan_key_ranges", lambda *args: (plan(*args)[0], {1}))
+    with pytest.raises(ValueError, match=r"must start the sequence, as left padding's do; here chunks \[1\] of 7"):
+        _step("falcon_h1", 7, [_batch()])

@@ -26,9 +26,10 @@ class Family(NamedTuple):
     # cache at its conv/recurrent state): streaming_backward_chunk streams the layer through its state
     # (streaming_backward/recurrent.py). None: no recurrent layer streams.
     streaming_recurrent: str | None = None
-    # How many values the family's decoder layer returns (Bamba's: its hidden states and attention weights, which its
-    # model unpacks); a streamed layer returns as many (streaming_backward/recurrent.py `returned`).
-    streaming_layer_returns: int = 1
+    # How many values the family's decoder layer returns in a tuple (Bamba's: its hidden states and attention weights;
+    # Falcon-H1's: its hidden states alone), which its model unpacks; a streamed layer returns as many
+    # (streaming_backward/parts.py `returned`). None: the hidden states, not in a tuple.
+    streaming_layer_returns: int | None = None
     # (config attribute, what it does): a config where that attribute is set (non-zero) is not streamed (warned at
     # construction), e.g. Gemma-4's K/V shared across layers. None: every config of the family streams.
     streaming_unless: tuple | None = None
@@ -293,11 +294,12 @@ FAMILIES = {
     # Falcon-H1 (`falcon_h1`): in every decoder layer a Mamba2 mixer and attention side by side on the same input,
     # their outputs summed, then an MLP; muP multipliers throughout, and a head that multiplies the logits by
     # `lm_head_multiplier` (the chunked loss takes the hidden states so multiplied: one rounding where it is not a power
-    # of two, as Granite's division). MLP, final norm and LM head + loss by mini-sequences. Its layers do not stream
-    # (one layer with both seams). Tiny: a Mamba2 mixer of 4 heads of 16 (state 8, scan blocks of 8), every multiplier
-    # away from 1.
-    "falcon_h1": Family("Falcon-H1", "FalconH1Config", "FalconH1ForCausalLM", "mlp",
-                        no_streaming="ignored (warned): attention and a Mamba2 mixer side by side in one layer",
+    # of two, as Granite's division). MLP, final norm and LM head + loss by mini-sequences. Each layer streams by query
+    # chunks, meeting both seams in one forward: its attention the K/V cache, its Mamba2 mixer (`mamba`) the carried
+    # states (streaming_backward/layer.py, `states_mixer`). Tiny: a Mamba2 mixer of 4 heads of 16 (state 8, scan
+    # blocks of 8), every multiplier away from 1.
+    "falcon_h1": Family("Falcon-H1", "FalconH1Config", "FalconH1ForCausalLM", "mlp", _ATTENTION,
+                        streaming_recurrent="mamba", streaming_layer_returns=1,
                         tiny={"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
                               "mamba_chunk_size": 8, "mamba_n_groups": 1, "lm_head_multiplier": 0.375,
                               "embedding_multiplier": 2.0, "mlp_multipliers": [0.5, 1.5], "key_multiplier": 0.7,
@@ -451,7 +453,7 @@ _MINI_SEQUENCE_CELLS = {
 def _cells(family: Family) -> tuple:
     streaming = f"yes: {', '.join(family.streaming_attention)}" if family.streaming_attention else family.no_streaming
     if family.streaming_recurrent:  # a hybrid's attention layers by query chunks, its recurrent ones through their state
-        streaming = (f"{streaming}; recurrent layers through their state" if family.streaming_attention
+        streaming = (f"{streaming}; recurrent mixers through their state" if family.streaming_attention
                      else "yes: through the recurrent state")
     if family.streaming_unless is not None:
         attribute, what = family.streaming_unless

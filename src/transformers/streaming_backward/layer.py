@@ -118,6 +118,17 @@ class StreamedCall:
         # A shard of a sequence-parallel sequence (Ulysses): every chunk reads the whole sequence's keys, gathered
         # (mst_core/sharded_sequence.py), so each is "blind" below: its K/V first, its output once every key exists.
         self.sharded = mask if isinstance(mask, ShardedSequenceMask) else None
+        # A recurrent mixer beside the attention in this layer (Falcon-H1): its states go from chunk to chunk as a
+        # recurrent layer's do (recurrent.py), through the same cache object as the chunk's K/V.
+        self.states_mixer = parts.mixer_beside_attention(layer)
+        if self.states_mixer is not None:
+            recurrent.refuse_packed_sequences(layer, arguments)
+            if self.sharded is not None:
+                raise ValueError(
+                    f"{STREAMING_FIELD}: {type(layer).__name__} runs attention and a recurrent mixer side by side, "
+                    "which does not stream under sequence parallelism (each rank's mixer would start from a zero "
+                    "state). Unset the field, or train without Ulysses."
+                )
         if self.sharded is not None:
             self.sharded.check_streamable(attn)
             mask, self.bottom_right = None, False
@@ -141,7 +152,11 @@ class StreamedCall:
         self.causal_bias = mask is None and self.window is None and not (attn.training and getattr(attn, "attention_dropout", 0.0))
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
-        self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
+        if self.states_mixer is not None:  # no one-token chunk after the first (recurrent.state_chunks)
+            self.chunks = recurrent.state_chunks(self.seq_len, chunk)
+            chunk = max(end - start for start, end in self.chunks)
+        else:
+            self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
         if self.sharded is not None:
             self.flash, self.causal_bias = False, False
             self.key_ranges = [(0, self.seq_len * self.sharded.world_size)] * len(self.chunks)
@@ -157,6 +172,15 @@ class StreamedCall:
             self.blind = set()
         else:
             self.key_ranges, self.blind = plan_key_ranges(mask, self.chunks, self.window, self.seq_len)
+        if self.states_mixer is not None and self.blind != set(range(len(self.blind))):
+            raise ValueError(
+                f"{STREAMING_FIELD}: {type(layer).__name__} runs attention and a recurrent mixer side by side, so its "
+                "query chunks that read keys after their own rows (a bidirectional block of the mask) must start the "
+                f"sequence, as left padding's do; here chunks {sorted(self.blind)} of {len(self.chunks)}. Unset the "
+                "field for this batch's mask."
+            )
+        # The mixer's states at each chunk's start (conv, recurrent), recorded by the forward: None until known.
+        self.starts = [(None, None)] + [None] * (len(self.chunks) - 1)
         self.chunk_rng, self.kv_rng = None, {}
         # The chunks' masks as views of one tensor (masks.OffsetChunkMasks), on the CPU where the model passed no
         # mask and the attention is not split by the causal bias (masks.OwnKeysCausalBias: float32/64), inside
@@ -182,10 +206,12 @@ class StreamedCall:
         finally:
             self.taking_views, self.offset_masks = False, None
 
-    def call(self, x_chunk, index, cache, rows=None):
+    def call(self, x_chunk, index, cache, rows=None, seam=None):
         """The layer's own forward on chunk `index` (rows of `x_chunk`; `rows`: the chunk's rows of `row_inputs` to
         pass instead of slices of them), its attention meeting `cache`: (its output,) or (its output, its router
-        logits) (router.py); None where the layer stopped at the cache."""
+        logits) (router.py); None where the layer stopped at the cache. A mixer beside the attention meets `seam`
+        (recurrent.StateSeam), by default one from the start states the forward recorded, recording the end states
+        of a chunk whose successor's are not known yet."""
         start, end = self.chunks[index]
         kv_start, kv_end = self.key_ranges[index]
         kwargs = {name: slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
@@ -216,6 +242,16 @@ class StreamedCall:
                 self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
             )
         kwargs[self.cache_name] = cache
+        recording = None
+        if self.states_mixer is not None:
+            if seam is None:
+                if self.starts[index] is None:
+                    raise RuntimeError(
+                        f"streaming backward: {type(self.layer).__name__}'s chunk {index} ran before the mixer's "
+                        "state at its start was known. Please report this with your setup."
+                    )
+                seam = recording = recurrent.StateSeam(*self.starts[index])
+            kwargs[self.cache_name] = recurrent.StatesBesideKeysValues(cache, seam)
         # The tokens before the chunk in the whole sequence (under Ulysses, the earlier ranks' shards too).
         cache.tokens_before = start + (self.sharded.first_token if self.sharded is not None else 0)
         try:
@@ -228,6 +264,7 @@ class StreamedCall:
             ):
                 out = self.forward(self.layer, x_chunk, **kwargs)
         except StopAfterKeysValues:
+            self._keep_end_states(index, recording)
             return None
         except Exception as error:
             if not cache.updated:  # e.g. the chunk's mask did not fit keys that never went through the cache
@@ -235,11 +272,25 @@ class StreamedCall:
             raise
         if not cache.updated:
             raise self._not_streamable()
+        if seam is not None and not seam.met:
+            raise ValueError(
+                f"{STREAMING_FIELD}: {type(self.layer).__name__} cannot be streamed: its recurrent mixer never read "
+                "its state from the cache (`get_conv_state` / `get_recurrent_state`). Unset the field for this model."
+            )
+        self._keep_end_states(index, recording)
         self.keys_dtype = cache.keys_dtype
         if isinstance(out, tuple):  # Bamba's (hidden states, attention weights): parts.returned gives it back
             out = out[0]
         logits = router.chunk_logits(collected, self.layer, self.batch, end - start)
         return (out,) if logits is None else (out, logits)
+
+    def _keep_end_states(self, index, seam):
+        """Chunk `index + 1`'s start states, copies of `seam`'s end states (the conv state is a view of the chunk's
+        joined inputs), if not known yet and the mixer ran (a layer stopped at the cache before its mixer leaves none)."""
+        if seam is None or index + 1 == len(self.chunks) or self.starts[index + 1] is not None:
+            return
+        if any(state is not None for state in seam.end_states()):
+            self.starts[index + 1] = tuple(None if s is None else s.detach().clone() for s in seam.end_states())
 
     def _not_streamable(self):
         return ValueError(
@@ -354,6 +405,9 @@ class StreamedLayerFunction(torch.autograd.Function):
             block_starting_at = {first: block for block, (first, _) in enumerate(blocks)}
             grad_x = None
             checked = []
+            # A mixer beside the attention (Falcon-H1): the gradients of each chunk's start states, summed over its
+            # passes (a blind chunk's output, then its turn), go to the chunk before as those of its end states.
+            start_grads, end_grads = {}, {}
 
             def add_input_grads(grads, start, end):
                 """Add the input gradients of rows [start, end) (grads: the layer input's if needs_x, the row inputs'
@@ -369,13 +423,26 @@ class StreamedLayerFunction(torch.autograd.Function):
                         grad_x = RowBlocks(streamed.chunks, blocks, grad_out, dim=1, dtype=grads[0].dtype)
                     grad_x.add(grads[0], start, end)
 
+            def add_start_grads(index, seam, grads):
+                grads = iter(grads)
+                got = [None if leaf is None else next(grads) for leaf in (seam.conv_state, seam.recurrent_state)]
+                before = start_grads.get(index, [None, None])
+                start_grads[index] = [b if g is None else g if b is None else b + g for g, b in zip(got, before)]
+
             def chunk_backward(index, cache, outputs=True, own_keys_values=True):
                 """Recompute chunk `index` with graph, its attention reading the K/V buffers through `cache`.
                 `outputs`: backpropagate dOut of its rows (a JoinedCache routes the K/V gradients itself; a
                 BackwardCache's leaves' gradients are added into dK/dV here); `own_keys_values` (a BackwardCache
                 that stopped at the cache): backpropagate the (final) dK/dV of its own rows through the K/V the layer
-                computed for them."""
+                computed for them. A mixer beside the attention starts from its start states as leaves; at the
+                chunk's turn (not a blind chunk's early output pass) its end states take their gradients too."""
                 start, end = streamed.chunks[index]
+                seam, state_leaves, end_targets = None, [], []
+                if streamed.states_mixer is not None:
+                    seam = recurrent.StateSeam(
+                        *(None if s is None else s.detach().requires_grad_() for s in streamed.starts[index])
+                    )
+                    state_leaves = [s for s in (seam.conv_state, seam.recurrent_state) if s is not None]
                 kv_start, kv_end = streamed.key_ranges[index]
                 # Its own K/V alone (no output): the state of the forward pass that wrote them.
                 rng = streamed.chunk_rng[index] if outputs else streamed.keys_values_rng(index)
@@ -392,10 +459,13 @@ class StreamedLayerFunction(torch.autograd.Function):
                     if rng is streamed.keys_values_rng(index):
                         replayed = streamed.recorded_projections.replaying(index, linear_sums)
                     with linear_sums or contextlib.nullcontext(), replayed:
-                        outs = streamed.call(x_chunk, index, cache, rows) or ()
+                        outs = streamed.call(x_chunk, index, cache, rows, seam) or ()
                     inputs = [*([x_chunk] if needs_x else []), *(rows[name] for name in row_grads), *wanted]
+                    if seam is not None and (own_keys_values or index not in streamed.blind):
+                        end_targets = [(state, grad) for state, grad in
+                                       zip(seam.end_states(), end_grads.pop(index, (None, None))) if grad is not None]
                     if not checked:
-                        given = [x_chunk, *rows.values(), *(cache.leaves or []), *params]
+                        given = [x_chunk, *rows.values(), *(cache.leaves or []), *state_leaves, *params]
                         for tensor in [*outs, cache.keys, cache.values]:
                             check_graph_inputs(tensor, given, "streaming backward")
                         checked.append(True)
@@ -406,23 +476,31 @@ class StreamedLayerFunction(torch.autograd.Function):
                         if len(outs) > 1:
                             logit_rows = positions(grad_router_logits.contiguous(), (streamed.batch,))[:, start:end]
                             grad_outs.append(logit_rows.reshape(outs[1].shape))
-                        grads = torch.autograd.grad(outs, [*leaves, *inputs], grad_outs, allow_unused=True)
+                        grads = torch.autograd.grad(
+                            [*outs, *(state for state, _ in end_targets)], [*leaves, *inputs, *state_leaves],
+                            [*grad_outs, *(grad for _, grad in end_targets)], allow_unused=True,
+                        )
                         del outs, grad_outs
                         for total, part in zip((grad_keys, grad_values), grads[: len(leaves)]):
                             if part is not None:
                                 total.add(part, kv_start, kv_end)
-                        add_input_grads(grads[len(leaves) :], start, end)
+                        add_input_grads(grads[len(leaves) : len(leaves) + len(inputs)], start, end)
+                        if seam is not None:
+                            add_start_grads(index, seam, grads[len(leaves) + len(inputs) :])
                         del grads
                     if own_keys_values:
                         pairs = [(tensor, total.rows(start, end, tensor.dtype))
                                  for tensor, total in ((cache.keys, grad_keys), (cache.values, grad_values))
-                                 if tensor.requires_grad]
-                        if pairs and inputs:
+                                 if tensor.requires_grad] + end_targets
+                        if pairs and (inputs or state_leaves):
                             grads = torch.autograd.grad(
-                                [t for t, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
+                                [t for t, _ in pairs], [*inputs, *state_leaves], [g for _, g in pairs],
+                                allow_unused=True,
                             )
-                            add_input_grads(grads, start, end)
-                    del cache
+                            add_input_grads(grads[: len(inputs)], start, end)
+                            if seam is not None:
+                                add_start_grads(index, seam, grads[len(inputs) :])
+                    del cache, seam, end_targets
 
             def release_final_rows(index):
                 if index in block_starting_at:
@@ -456,6 +534,12 @@ class StreamedLayerFunction(torch.autograd.Function):
                     chunk_backward(index, cache, own_keys_values=False)
                 release_final_rows(index)
                 streamed.recorded_projections.release(index)
+                if streamed.states_mixer is not None and index > 0:  # the chunk before ends where this one starts
+                    grads = start_grads.pop(index, [None, None])
+                    if any(s is not None and g is None for s, g in zip(streamed.starts[index], grads)):
+                        raise recurrent.missing_state_gradient(streamed.layer, start)
+                    end_grads[index - 1] = grads
+                    streamed.starts[index] = None  # read once more by no pass
             keys = values = None  # freed here (`leaves_cache` reads them: a `del` would leave its names unbound)
             if grad_keys.parts or grad_values.parts:  # rows added to after their chunks' turn: a lost gradient
                 raise RuntimeError(
@@ -498,21 +582,28 @@ def _forward_with_checkpoints(streamed, x):
     forward, its chunk's recompute), as under checkpointing, not a third time in the layer's recompute."""
     from torch.utils.checkpoint import checkpoint
 
-    def chunk_output(x_chunk, keys, values, index):
-        return streamed.call(x_chunk, index, FixedCache(keys, values))  # (out,) or (out, router logits)
+    def seam(states):  # a mixer beside the attention (Falcon-H1) starts from `states`, with their graph
+        return None if streamed.states_mixer is None else recurrent.StateSeam(*states)
 
-    def from_sources(sources, index):
+    def chunk_output(x_chunk, keys, values, index, *states):
+        return streamed.call(x_chunk, index, FixedCache(keys, values), seam=seam(states))  # (out,) or (out, logits)
+
+    def from_sources(sources, index, *states):
         start, end = streamed.chunks[index]
         kv_start, kv_end = streamed.key_ranges[index]
         x_all, keys, values = (source.tensor() for source in sources)
-        return chunk_output(x_all[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index)
+        return chunk_output(x_all[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index,
+                            *states)
 
     def layer_body(x):
-        parts = []
+        parts, starts, states = [], [], (None, None)
         for index, (start, end) in enumerate(streamed.chunks):
-            cache = _KeysValuesOnly()
-            streamed.call(x[:, start:end], index, cache)
+            cache, chunk_seam = _KeysValuesOnly(), seam(states)
+            streamed.call(x[:, start:end], index, cache, seam=chunk_seam)
             parts.append((cache.keys, cache.values))
+            starts.append(states)
+            if chunk_seam is not None:  # the mixer ran before the attention stopped at the cache (Falcon-H1's order)
+                states = chunk_seam.end_states()
         keys = torch.cat([k for k, _ in parts], dim=2)
         values = torch.cat([v for _, v in parts], dim=2)
         del parts
@@ -526,12 +617,12 @@ def _forward_with_checkpoints(streamed, x):
             start, end = streamed.chunks[index]
             kv_start, kv_end = streamed.key_ranges[index]
             if sources is not None:
-                outs[index] = checkpoint(from_sources, sources, index, use_reentrant=False)
+                outs[index] = checkpoint(from_sources, sources, index, *starts[index], use_reentrant=False)
                 continue
             outs[index] = (
                 checkpoint(
                     chunk_output, x[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index,
-                    use_reentrant=False,
+                    *starts[index], use_reentrant=False,
                 )
             )
         for source in sources or ():
@@ -559,6 +650,8 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward). While torch.compile
     traces, one operator of the graph where the call allows it (compiled.py), else the eager call (one graph break).
     A recurrent layer (the registry's `streaming_recurrent`) streams through its state (recurrent.py)."""
+    if parts.mixer_beside_attention(layer) is not None:  # both seams in one layer: the eager call (one graph break)
+        return _eager_forward(forward, layer, *args, **kwargs)
     if parts.recurrent_mixer(layer) is not None:
         return _recurrent_eager_forward(forward, layer, *args, **kwargs)
     if torch.compiler.is_compiling():
@@ -594,6 +687,8 @@ def prepared_call(forward, layer, args, kwargs):
     arguments, cache_name, given = _bound_arguments(forward, layer, args, kwargs)
     hidden_states = arguments["hidden_states"]
     check_cache_is_empty(layer, given)
+    if parts.mixer_beside_attention(layer) is not None:
+        recurrent.check_cache_has_no_state(layer, given)
     collector = router.model_collector()
     check_captured_outputs(layer, collector)
     streamed = StreamedCall(forward, layer, arguments, cache_name, records_router_logits=router.recording(collector))

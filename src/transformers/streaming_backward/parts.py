@@ -36,6 +36,14 @@ def recurrent_mixer(layer):
     return mixer if hasattr(mixer, "conv_kernel_size") else None
 
 
+def mixer_beside_attention(layer):
+    """The recurrent mixer of a layer that also has attention, side by side in one forward (Falcon-H1's `mamba` beside
+    its `self_attn`): the layer streams by query chunks with the mixer's states carried from chunk to chunk (layer.py);
+    None for any other layer (a hybrid's layers are one kind or the other; Kimi-Linear's `self_attn` is either)."""
+    mixer, attn = recurrent_mixer(layer), attention_module(layer)
+    return mixer if mixer is not None and attn is not None and mixer is not attn else None
+
+
 def attention_module(layer):
     """The attention module of `layer` that meets the K/V cache: `self_attn`, else a hybrid block's mixer where it is
     attention (Nemotron-H's `mixer` on its "full_attention" blocks, the registry's `streaming_recurrent` attribute);
@@ -49,7 +57,7 @@ def attention_module(layer):
 
 def returned(layer, out):
     """`out` as the layer's own forward returns it: Bamba's decoder layer returns (hidden states, attention weights),
-    which its model unpacks (the registry's `streaming_layer_returns`); the weights are never whole here
-    (checks.check_captured_outputs refuses recording them): None in their place."""
-    returns = getattr(_family(layer), "streaming_layer_returns", 1)
-    return out if returns == 1 else (out, *(None,) * (returns - 1))
+    Falcon-H1's (hidden states,), which their models unpack (the registry's `streaming_layer_returns`); the weights are
+    never whole here (checks.check_captured_outputs refuses recording them): None in their place."""
+    returns = getattr(_family(layer), "streaming_layer_returns", None)
+    return out if returns is None else (out, *(None,) * (returns - 1))

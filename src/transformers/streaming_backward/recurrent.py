@@ -84,6 +84,51 @@ class StateSeam:
         return self.conv_end, self.recurrent_end
 
 
+class StatesBesideKeysValues:
+    """The cache of one chunk of a layer whose attention and recurrent mixer both meet it in one forward (Falcon-H1):
+    the attention's `update` goes to the chunk's K/V cache (cache.py), the mixer's state calls to its `StateSeam`."""
+
+    def __init__(self, keys_values, seam):
+        self.keys_values, self.seam = keys_values, seam
+        self.update, self.get_seq_length = keys_values.update, keys_values.get_seq_length
+        for name in ("get_conv_state", "get_recurrent_state", "is_recording_past", "update_conv_state",
+                     "update_recurrent_state"):
+            setattr(self, name, getattr(seam, name))
+
+
+def state_chunks(seq_len, chunk):
+    """[(start, end)] of chunks of `chunk` tokens for a layer carrying a state. No one-token chunk after the first:
+    with a state, the mixer takes its one-token decode step, which updates the state in place after reading it for
+    the output (Mamba2's `mamba2_selective_state_update`), so autograd cannot backpropagate it. Chunks of 1 are taken
+    as 2, a last chunk of 1 joins the one before."""
+    chunk = max(chunk, 2)
+    chunks = [(start, min(start + chunk, seq_len)) for start in range(0, seq_len, chunk)]
+    if len(chunks) > 1 and chunks[-1][1] - chunks[-1][0] == 1:
+        chunks[-2:] = [(chunks[-2][0], seq_len)]
+    return chunks
+
+
+def refuse_packed_sequences(layer, arguments):
+    packed = [name for name in PACKED_SEQUENCE_ARGUMENTS if arguments.get(name) is not None]
+    if packed:
+        raise ValueError(
+            f"{STREAMING_FIELD}: {type(layer).__name__} got packed sequences (`{packed[0]}`), which a streamed "
+            "recurrent layer does not take yet: each chunk's scan would read the whole sequence's boundaries. "
+            "Pad the sequences instead of packing them, or unset the field."
+        )
+
+
+def missing_state_gradient(layer, start):
+    """The error of a chunk whose start state got no gradient."""
+    # The chunk's output depends on the state it started from; a scan (a fused kernel) that takes the state without
+    # its gradient would silently cut the sequence's gradient at the boundary.
+    return RuntimeError(
+        f"streaming backward: {type(layer).__name__}'s chunk from token {start} returned no gradient for the state it "
+        "started from (its scan or convolution took the carried state without a gradient path); refusing to drop it. "
+        f"Unset {STREAMING_FIELD}, or run the mixer's PyTorch path (uninstall the kernel package it uses)."
+    )
+
+
 class RecurrentCall:
     """One call of a recurrent decoder layer, split into chunks of tokens."""
 
@@ -91,23 +136,11 @@ class RecurrentCall:
         self.forward, self.layer, self.cache_name, self.arguments = forward, layer, cache_name, arguments
         self.records_router_logits = records_router_logits  # an MoE block's router logits (router.py)
         self.batch, self.seq_len = hidden_states.shape[:2]
-        packed = [name for name in PACKED_SEQUENCE_ARGUMENTS if arguments.get(name) is not None]
-        if packed:
-            raise ValueError(
-                f"{STREAMING_FIELD}: {type(layer).__name__} got packed sequences (`{packed[0]}`), which a streamed "
-                "recurrent layer does not take yet: each chunk's scan would read the whole sequence's boundaries. "
-                "Pad the sequences instead of packing them, or unset the field."
-            )
+        refuse_packed_sequences(layer, arguments)
         config = layer_config(layer)
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
-        # No one-token chunk after the first: with a state, the mixer takes its one-token decode step, which updates
-        # the state in place after reading it for the output (Mamba2's `mamba2_selective_state_update`), so autograd
-        # cannot backpropagate it. Chunks of 1 are taken as 2, a last chunk of 1 joins the one before.
-        chunk = max(chunk, 2)
-        self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
-        if len(self.chunks) > 1 and self.chunks[-1][1] - self.chunks[-1][0] == 1:
-            self.chunks[-2:] = [(self.chunks[-2][0], self.seq_len)]
+        self.chunks = state_chunks(self.seq_len, chunk)
 
     def call(self, x_chunk, index, seam):
         """The layer's own forward on chunk `index`, its mixer meeting `seam`: (the chunk's output, its router logits
@@ -211,14 +244,7 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                 state_grads = iter(grads[: len(state_leaves)])
                 end_grads = tuple(None if leaf is None else next(state_grads) for leaf in leaves)
                 if any(leaf is not None and grad is None for leaf, grad in zip(leaves, end_grads)):
-                    # The chunk's output depends on the state it started from; a scan (a fused kernel) that takes
-                    # the state without its gradient would silently cut the sequence's gradient at the boundary.
-                    raise RuntimeError(
-                        f"streaming backward: {type(call.layer).__name__}'s chunk from token {start} returned no "
-                        "gradient for the state it started from (its scan or convolution took the carried state "
-                        f"without a gradient path); refusing to drop it. Unset {STREAMING_FIELD}, or run the "
-                        "mixer's PyTorch path (uninstall the kernel package it uses)."
-                    )
+                    raise missing_state_gradient(call.layer, start)
                 del grads
         for total, param in zip(acc, wanted):
             if total is None:
