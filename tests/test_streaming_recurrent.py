@@ -4,6 +4,7 @@ unsplit fp32 step (the flag unset) with uneven chunks, batch 2, left padding, ig
 and a wrapper's hooks. Hybrids (Qwen3.5, Qwen3-Next: Gated DeltaNet layers beside attention ones) stream both kinds of
 layer in one step."""
 
+import contextlib
 import functools
 
 import pytest
@@ -20,7 +21,10 @@ SEQ = 45
 CONV_STATE_ONLY = {"lfm2", "lfm2_moe"}  # short convolutions: no recurrent state
 # Attention and a recurrent mixer side by side in every layer: streamed by query chunks, the mixer's states carried
 # (streaming_backward/layer.py `states_mixer`); test_side_by_side_layers_meet_both_seams checks this set.
-SIDE_BY_SIDE = {"falcon_h1"}
+SIDE_BY_SIDE = {"falcon_h1", "zamba2"}
+# Attention before the mixer in one layer (Zamba2's hybrid layers): a query chunk holding rows that see no key (left
+# padding, with sdpa or eager attention) is refused (test_left_padding_refused_where_attention_precedes_the_mixer).
+RIGHT_PADDED = {"zamba2"}
 RTOL = 1e-5  # fp32: the same arithmetic in another order (the scan's blocks start at each chunk's start)
 # Where fp32 rounding alone moves a gradient by more than RTOL (Gated DeltaNet's decay parameters `A_log`, `dt_bias`:
 # a sum over every position of terms that nearly cancel; upstream's own fp32 step is 3e-5..6e-5 from its fp64 one),
@@ -28,11 +32,16 @@ RTOL = 1e-5  # fp32: the same arithmetic in another order (the scan's blocks sta
 RTOL_FP64 = 1e-9
 
 
-def _batch(seed=1, seq=SEQ, vocab=128):
+def _batch(seed=1, seq=SEQ, vocab=128, family=None):
+    """Two rows, the second padded by 6 tokens: on the left, or on the right for the families whose streamed layers
+    refuse left padding (RIGHT_PADDED)."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (2, seq), generator=generator)
     mask = torch.ones_like(ids)
-    mask[1, :6] = 0  # left padding
+    if family in RIGHT_PADDED:
+        mask[1, -6:] = 0
+    else:
+        mask[1, :6] = 0
     labels = ids.masked_fill(mask == 0, -100)
     labels[0, 20:25] = -100
     return ids, mask, labels
@@ -93,7 +102,8 @@ def _assert_exact(got, family, chunk, batches, want=None, prepare=None, **fields
 
 
 def _recurrent_layers(model):
-    return sum(parts.recurrent_mixer(layer) is not None for layer in model.modules())
+    """Decoder layers with a recurrent mixer (not one inside another: Zamba2's hybrid layers hold a Mamba2 layer)."""
+    return sum(parts.recurrent_mixer(layer) is not None and not parts.inside_a_layer(layer) for layer in model.modules())
 
 
 @pytest.fixture
@@ -123,7 +133,7 @@ def streamed_calls(monkeypatch):
 @pytest.mark.parametrize("chunk", [1, 7, SEQ - 2, SEQ - 1, SEQ + 5, "auto"])
 def test_exact_against_the_unsplit_step(family, chunk, streamed_calls, monkeypatch):
     monkeypatch.setattr(streaming_config, "MIN_AUTO_CHUNK", 16)  # "auto" = max(hidden_size 32, 16): it streams
-    batches = [_batch()]
+    batches = [_batch(family=family)]
     _assert_exact(_step(family, chunk, batches), family, chunk, batches)
     assert streamed_calls, "the streamed Function did not run"
     chunks = streamed_calls[0]
@@ -135,8 +145,8 @@ def test_exact_against_the_unsplit_step(family, chunk, streamed_calls, monkeypat
 
 # The blocks each tiny model runs by mini-sequences in one forward with `mini_sequence_chunk` alone: its MLP / MoE blocks
 # (Granite-4.0-H's MoE block with its shared MLP, OLMo-Hybrid's attention layer's MLP with its post-feedforward norm:
-# one each) and its final norm; the Mamba families have no MLP.
-CHUNKED_BLOCKS = {"mamba2": 1, "mamba": 1, "falcon_mamba": 1, "nemotron_h": 3}
+# one each) and its final norm; the Mamba families have no MLP, Zamba2's MLP (per-layer adapters) is not chunked.
+CHUNKED_BLOCKS = {"mamba2": 1, "mamba": 1, "falcon_mamba": 1, "nemotron_h": 3, "zamba2": 1}
 
 
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
@@ -155,7 +165,7 @@ def test_with_mini_sequences(family, streaming, streamed_calls, monkeypatch):
         return apply(x, chunk_size, forward_fn, module, *rest)
 
     monkeypatch.setattr(mini_sequence_mlp._MiniSequenceMLPFunction, "apply", counted)
-    batches = [_batch()]
+    batches = [_batch(family=family)]
     ids, mask, labels = batches[0]
     out = make_model(family, mini_sequence_chunk=16).train()(input_ids=ids, attention_mask=mask, labels=labels)
     assert (out.logits is None) == (REGISTRY[family].mini_sequence is not None)  # the chunked loss: no logits
@@ -194,7 +204,7 @@ def test_bamba_z_loss_keeps_the_unsplit_head(caplog):
 
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
 def test_gradient_accumulation_and_hooks(family, streamed_calls):
-    batches = [_batch(1), _batch(2, seq=30)]
+    batches = [_batch(1, family=family), _batch(2, seq=30, family=family)]
     want = _step(family, None, batches)
     got = _step(family, 7, batches)
     assert len(streamed_calls) == 2 * _recurrent_layers(make_model(family))  # each recurrent layer, 2 micro-batches
@@ -211,7 +221,7 @@ def test_a_planted_error_in_the_carried_state_fails(family, monkeypatch):
     without its gradient path (as a fused kernel that dropped it would) is refused by the Function and moves the
     gradients under the wrappers' checkpointed chunks; a conv state left out moves the loss. (LFM2's short
     convolutions carry a conv state only.)"""
-    batches = [_batch()]
+    batches = [_batch(family=family)]
     want = _step(family, None, batches)
     if family in CONV_STATE_ONLY:
         monkeypatch.setattr(recurrent.StateSeam, "get_recurrent_state", lambda self, *args, **kwargs: pytest.fail(
@@ -242,7 +252,7 @@ def test_a_planted_error_in_the_carried_state_fails(family, monkeypatch):
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
 def test_a_cache_holding_a_state_is_refused(family):
     model = make_model(family, streaming_backward_chunk=7).train()
-    ids, _, _ = _batch()
+    ids, _, _ = _batch(family=family)
     with torch.no_grad():  # a forward without gradients fills the cache, as upstream's
         cache = model(input_ids=ids, use_cache=True).past_key_values
     # Falcon-H1's layers (attention beside the mixer) are refused for the cached keys first
@@ -281,7 +291,7 @@ def test_offloaded_input_read_back_by_chunks(family, streamed_calls):
     from test_streaming import RecordingHostStorage, keep_offloaded_inputs_in
 
     storage = RecordingHostStorage()
-    batches = [_batch()]
+    batches = [_batch(family=family)]
     model = make_model(family, streaming_backward_chunk=7).train()
     model.activation_checkpointing_enable(offload=True)
     keep_offloaded_inputs_in(model, storage)
@@ -341,7 +351,7 @@ def test_hybrid_router_logits_and_aux_loss(family, variant, monkeypatch):
     chunks), handed over whole with their graph; the loss, the aux loss, the logits and every gradient are
     upstream's. "both fields": with the LM head + loss by mini-sequences too, the aux loss added to the chunked
     loss by upstream's lines."""
-    batches = [_batch()]
+    batches = [_batch(family=family)]
     fields = {"mini_sequence_chunk": 7} if variant == "both fields" else {}
 
     def step(chunk):
@@ -375,10 +385,11 @@ def test_hybrid_router_logits_and_aux_loss(family, variant, monkeypatch):
 def test_hybrid_with_flash_attention(family, flash_reference, monkeypatch):
     """flash_attention_2 (the reference kernels' stand-in): the attention layer streams with FlashAttention's
     padded path, the linear-attention layer through its state; exact."""
-    batches = [_batch()]
+    batches = [_batch(family=family)]
     calls = _streamed_layer_calls(monkeypatch)
     got = _step(family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
-    layers = ["attention", "attention"] if family in SIDE_BY_SIDE else ["recurrent", "attention"]
+    layers = ["recurrent" if parts.attention_module(layer) is None else "attention"
+              for layer in make_model(family).model.layers]
     assert calls == layers and "reference_flash_varlen" in flash_reference.calls
     _assert_exact(got, family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
 
@@ -388,7 +399,7 @@ def test_packed_sequences_are_refused(family):
     """Packed sequences' boundaries (`cu_seq_lens_q`, which Gated DeltaNet hands its scan) are the whole sequence's:
     refused at the streamed layer, naming the argument, rather than given to each chunk."""
     model = make_model(family, streaming_backward_chunk=7).train()
-    ids, _, labels = _batch()
+    ids, _, labels = _batch(family=family)
     ids, labels = ids[:1], labels[:1]
     cu = torch.tensor([0, 20, SEQ], dtype=torch.int32)
     with pytest.raises(ValueError, match="packed sequences \\(`cu_seq_lens_q`\\)"):
@@ -439,3 +450,34 @@ def test_side_by_side_blind_chunks_after_unblind_ones_are_refused(monkeypatch):
     monkeypatch.setattr(streamed_layer, "plan_key_ranges", lambda *args: (plan(*args)[0], {1}))
     with pytest.raises(ValueError, match=r"must start the sequence, as left padding's do; here chunks \[1\] of 7"):
         _step("falcon_h1", 7, [_batch()])
+
+
+def test_left_padding_refused_where_attention_precedes_the_mixer():
+    """Zamba2's hybrid layers run their shared attention block before their mixer: a chunk holding rows that see no key
+    (left padding) attends to every key, so the state it hands the next chunk would depend on keys after its rows,
+    whose gradients are final before its turn. Refused by the Function and by the wrappers' fallback, naming the fix."""
+    left_padded = [_batch()]
+    for hooks in (False, True):
+        with pytest.raises(ValueError, match="runs its attention before its recurrent mixer.*Pad the batch on the right"):
+            _step("zamba2", 7, left_padded, hooks=hooks)
+
+
+def test_parameters_of_uncalled_modules_only_go_without_a_gradient(monkeypatch):
+    """Zamba2's shared block holds every hybrid layer's adapters and each layer calls its own: the other layers'
+    adapters get no gradient from this layer's call, as in upstream's step (layer.py `noting_uncalled_parameters`).
+    Any other parameter without one is refused: with nothing noted as uncalled, the same step raises."""
+    noted = []
+    note = streamed_layer.StreamedCall.noting_uncalled_parameters
+
+    def noting(self):
+        noted.append(self)
+        return note(self)
+
+    monkeypatch.setattr(streamed_layer.StreamedCall, "noting_uncalled_parameters", noting)
+    batches = [_batch(family="zamba2")]
+    _assert_exact(_step("zamba2", 7, batches), "zamba2", 7, batches)
+    # each hybrid layer leaves the other's adapters uncalled: 2 linear maps each for q, k, v and the MLP's gate_up
+    assert len(noted) == 2 and all(len(call.uncalled_parameters) == 8 for call in noted)
+    monkeypatch.setattr(streamed_layer.StreamedCall, "noting_uncalled_parameters", lambda self: contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match="that requires grad got no gradient"):
+        _step("zamba2", 7, batches)

@@ -34,7 +34,7 @@ NEW_FAMILIES = _entries(("qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qw
                                 "olmo3", "smollm3", "ministral3", "gemma4_text", "qwen3_5_moe_text", "qwen3_next", "olmoe",
                                 "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa",
                                 "llama4_text", "granite", "granitemoe", "granitemoeshared", "jamba",
-                                "falcon_h1"))
+                                "falcon_h1", "zamba", "zamba2"))
 MOE_FAMILIES = tuple(t for t in model_types(mini_sequence="moe") if REGISTRY[t].tiny is not None)  # not Qwen3-VL-MoE's
 # MoE families whose head adds no router auxiliary loss (their routers balance by a bias): the router logits are still
 # recorded with output_router_logits=True, and reach the routers' gradients through the routing weights.

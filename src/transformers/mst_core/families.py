@@ -26,6 +26,11 @@ class Family(NamedTuple):
     # cache at its conv/recurrent state): streaming_backward_chunk streams the layer through its state
     # (streaming_backward/recurrent.py). None: no recurrent layer streams.
     streaming_recurrent: str | None = None
+    # Decoder layer classes whose attention and recurrent mixer sit deeper (Zamba2's hybrid layers: a shared attention
+    # block, then a Mamba2 decoder layer): class name -> (the attention module's path, the mixer's path, the argument
+    # carrying the attention's mask), read by streaming_backward/parts.py. Such a layer streams as Falcon-H1's does (by
+    # query chunks, the mixer's states carried); a decoder layer inside it runs as part of it.
+    streaming_nested: dict | None = None
     # How many values the family's decoder layer returns in a tuple (Bamba's: its hidden states and attention weights;
     # Falcon-H1's: its hidden states alone), which its model unpacks; a streamed layer returns as many
     # (streaming_backward/parts.py `returned`). None: the hidden states, not in a tuple.
@@ -306,6 +311,26 @@ FAMILIES = {
                               "attention_in_multiplier": 0.8, "attention_out_multiplier": 1.2,
                               "ssm_multipliers": [0.9, 1.1, 0.8, 1.2, 0.7], "ssm_in_multiplier": 0.9,
                               "ssm_out_multiplier": 1.1}),
+    # Zamba (`zamba`) and Zamba2 (`zamba2`): Mamba / Mamba2 layers, some of them hybrid: a shared attention block
+    # (attention then an MLP, on the layer's input joined to the embeddings, with per-layer adapters) whose output
+    # goes into the layer's mixer. Final norm (`final_layernorm`) and LM head + loss by mini-sequences (patches 0009,
+    # 0012); their MLPs take a layer index and hold every hybrid layer's adapters: not chunked. Zamba2 streams: its
+    # Mamba2 layers through their state, its hybrid layers as Falcon-H1's (`streaming_nested`; the attention runs
+    # before the mixer there, so no query chunk may read keys after its rows: left padding is refused). Zamba's
+    # Mamba (selective-scan) mixer starts every call from a zero state: not streamed. Tiny: a Mamba layer and two
+    # hybrid layers (Zamba's ties need two), Zamba2's with rotary positions and adapters (which upstream builds for
+    # as many key/value heads as query heads only).
+    "zamba": Family("Zamba", "ZambaConfig", "ZambaForCausalLM", "lm_head",
+                    no_streaming="ignored (warned): its Mamba mixer's scan starts from a zero state",
+                    tiny={"layers_block_type": ["mamba", "hybrid", "hybrid"], "num_hidden_layers": 3,
+                          "mamba_d_state": 8, "n_mamba_heads": 2, "mamba_dt_rank": 4}),
+    "zamba2": Family("Zamba2", "Zamba2Config", "Zamba2ForCausalLM", "lm_head", _ATTENTION,
+                     streaming_recurrent="mamba",
+                     streaming_nested={"Zamba2HybridLayer": ("shared_transformer.self_attn", "mamba_decoder.mamba",
+                                                             "causal_mask")},
+                     tiny={"layers_block_type": ["mamba", "hybrid", "hybrid"], "num_hidden_layers": 3,
+                           "mamba_d_state": 8, "n_mamba_heads": 4, "chunk_size": 8, "use_mem_rope": True,
+                           "num_key_value_heads": 4, "use_shared_attention_adapter": True, "adapter_rank": 4}),
     # Mamba and FalconMamba: adjoint sharding's fields, and streamed through their state as Mamba2 (their scan in a
     # streamed chunk ours, from the carried state: patch 0011).
     "mamba": Family("Mamba", "MambaConfig", "MambaForCausalLM", "lm_head", streaming_recurrent="mixer", adjoint=True,

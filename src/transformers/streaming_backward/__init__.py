@@ -27,7 +27,8 @@ def _name_layers_for_compile(model) -> None:
 def _config_for_layers(model) -> None:
     """At model construction, for a family with recurrent layers that stream (the registry's `streaming_recurrent`):
     the model's config on each decoder layer that keeps none (Bamba's and Granite-4.0-H's Mamba layers), for
-    `parts.layer_config`; other models are left as upstream builds them. An inner model (a composite's text model)
+    `parts.layer_config`, and a mark on each module inside a decoder layer (`parts.inside_a_layer`); other models are
+    left as upstream builds them. An inner model (a composite's text model)
     runs this first: its config stays."""
     from ..modeling_layers import GradientCheckpointingLayer
     from .parts import layer_config
@@ -36,8 +37,12 @@ def _config_for_layers(model) -> None:
     if getattr(FAMILIES.get(getattr(config, "model_type", None)), "streaming_recurrent", None) is None:
         return
     for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer) and layer_config(module) is None:
-            module._streaming_config = config
+        if isinstance(module, GradientCheckpointingLayer):
+            if layer_config(module) is None:
+                module._streaming_config = config
+            for inner in module.modules():  # inside this one (Zamba2's Mamba2 decoder layer in a hybrid layer)
+                if inner is not module:
+                    inner._mst_inside_layer = True
 
 
 CONSTRUCTION_HOOKS.append(_name_layers_for_compile)

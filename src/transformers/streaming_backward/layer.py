@@ -37,7 +37,7 @@ import inspect
 
 import torch
 
-from ..mst_core.chunks import one_streamed_chunk, policy_device_type
+from ..mst_core.chunks import inside_streamed_chunk, one_streamed_chunk, policy_device_type
 from ..mst_core.families import streaming_model_types, streaming_refusal
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
@@ -90,6 +90,8 @@ def applies(layer) -> bool:
     not one the registry excepts (`streaming_unless`: Gemma-4's K/V shared across layers).
     A layer of another family (the field set on it by `from_pretrained` or a config.json) is not streamed: the
     model warned at construction that the field is ignored (mst_core/model_checks.py)."""
+    if parts.inside_a_layer(layer):  # inside a streamed chunk of the layer around it: as it is (decoder_layer_forward)
+        return inside_streamed_chunk()
     config = getattr(parts.attention_module(layer), "config", None)
     if config is None and parts.recurrent_mixer(layer) is not None:  # a recurrent layer (Mamba2Block, linear_attn)
         config = parts.layer_config(layer)
@@ -114,7 +116,8 @@ class StreamedCall:
         hidden_states = arguments.pop("hidden_states")
         self.batch, self.seq_len = hidden_states.shape[:2]
         implementation = config._attn_implementation
-        mask = arguments.pop("attention_mask", None)
+        self.mask_name = parts.attention_mask_argument(layer)
+        mask = arguments.pop(self.mask_name, None)
         # A shard of a sequence-parallel sequence (Ulysses): every chunk reads the whole sequence's keys, gathered
         # (mst_core/sharded_sequence.py), so each is "blind" below: its K/V first, its output once every key exists.
         self.sharded = mask if isinstance(mask, ShardedSequenceMask) else None
@@ -181,6 +184,7 @@ class StreamedCall:
             )
         # The mixer's states at each chunk's start (conv, recurrent), recorded by the forward: None until known.
         self.starts = [(None, None)] + [None] * (len(self.chunks) - 1)
+        self.uncalled_parameters = set()  # ids: see `noting_uncalled_parameters`
         self.chunk_rng, self.kv_rng = None, {}
         # The chunks' masks as views of one tensor (masks.OffsetChunkMasks), on the CPU where the model passed no
         # mask and the attention is not split by the causal bias (masks.OwnKeysCausalBias: float32/64), inside
@@ -218,17 +222,17 @@ class StreamedCall:
         kwargs.update(rows or {})
         kwargs.update({name: type(kwargs[name])() for name in _FRESH_PER_CHUNK if kwargs.get(name) is not None})
         if cache.stop:  # the layer stops at the cache: no mask needed
-            kwargs["attention_mask"] = None
+            kwargs[self.mask_name] = None
         elif self.sharded is not None:
-            kwargs["attention_mask"] = self.sharded.query_chunk(
+            kwargs[self.mask_name] = self.sharded.query_chunk(
                 start, end, self.arguments.get("position_ids"), lower_right_causal_bias
             )
         elif self.flash:
-            kwargs["attention_mask"] = flash_chunk_mask(self.mask, kv_start, kv_end, self.silent_rows[index])
+            kwargs[self.mask_name] = flash_chunk_mask(self.mask, kv_start, kv_end, self.silent_rows[index])
             kwargs.update(self.flash_kwargs[index])
             cache.silent_rows = self.silent_rows[index]
         elif self.mask is None and self.bottom_right:
-            kwargs["attention_mask"] = None
+            kwargs[self.mask_name] = None
         elif self.taking_views and self.keys_dtype is not None and not (
             self.causal_bias and splits_on_cpu(self.keys_dtype)  # the bias splits the attention itself (masks.py)
         ):
@@ -236,9 +240,9 @@ class StreamedCall:
                 self.offset_masks = OffsetChunkMasks(
                     self.chunk_size, self.seq_len, self.window, self.keys_dtype, self.device
                 )
-            kwargs["attention_mask"] = self.offset_masks.view(end - start, kv_end - kv_start)
+            kwargs[self.mask_name] = self.offset_masks.view(end - start, kv_end - kv_start)
         else:
-            kwargs["attention_mask"] = chunk_mask(
+            kwargs[self.mask_name] = chunk_mask(
                 self.mask, self.batch, start, end, kv_start, kv_end, self.window, self.device, self.causal_bias
             )
         kwargs[self.cache_name] = cache
@@ -284,6 +288,38 @@ class StreamedCall:
         logits = router.chunk_logits(collected, self.layer, self.batch, end - start)
         return (out,) if logits is None else (out, logits)
 
+    @contextlib.contextmanager
+    def noting_uncalled_parameters(self):
+        """Where a call may leave some of the layer's modules uncalled (parts.calls_some_modules_only: Zamba2's hybrid
+        layers), the ids of the parameters of the entries of a module list that it never called (the other layers'
+        adapters), which get no gradient from this call as upstream's step gives them none, into
+        `uncalled_parameters`; the backward refuses a missing gradient of any other parameter (one of a module whose
+        weight is read without calling it, as a mixer's `conv1d`, too)."""
+        if not parts.calls_some_modules_only(self.layer):
+            yield
+            return
+        called = set()
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: called.add(module))
+        try:
+            yield
+        finally:
+            handle.remove()
+        self.uncalled_parameters = {
+            id(param) for container in self.layer.modules()
+            if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict))
+            for entry in container.children() if entry not in called for param in entry.parameters()
+        }
+
+    def attention_before_mixer(self):
+        """The error for a layer whose attention runs before its mixer (Zamba2's hybrid layers), given a chunk whose
+        rows see no key."""
+        return ValueError(
+            f"{STREAMING_FIELD}: {type(self.layer).__name__} runs its attention before its recurrent mixer, so a query "
+            f"chunk holding rows that see no key (left padding; here chunks {sorted(self.blind)}) cannot stream: the "
+            "state it hands the next chunk would depend on keys after its rows. Pad the batch on the right, or unset "
+            "the field."
+        )
+
     def _keep_end_states(self, index, seam):
         """Chunk `index + 1`'s start states, copies of `seam`'s end states (the conv state is a view of the chunk's
         joined inputs), if not known yet and the mixer ran (a layer stopped at the cache before its mixer leaves none)."""
@@ -327,6 +363,8 @@ class StreamedCall:
             if record_rng:
                 self.kv_rng[index] = capture_rng_state(x.device)
             self.call(x[:, start:end], index, RecordingCache(buffers, start, end, start, end, stop=True))
+        if self.states_mixer is not None and any(self.starts[i + 1] is None for i in self.blind if i + 1 < len(self.chunks)):
+            raise self.attention_before_mixer()  # the K/V-only passes stopped before the mixer
         if self.sharded is not None:  # this shard's K/V -> the whole sequence's for this rank's heads
             buffers[0], buffers[1] = self.sharded.gather_keys_values(buffers[0], buffers[1])
         for index in self.forward_order():
@@ -362,7 +400,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(x)
             ctx.saved_input = None
-        with streamed.views_of_one_mask():
+        with streamed.views_of_one_mask(), streamed.noting_uncalled_parameters():
             outputs, keys, values = streamed.run(x, record_rng=True)
         del keys, values
         return outputs if len(outputs) > 1 else outputs[0]
@@ -548,7 +586,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                 )
 
         for total, param in zip(acc, wanted):
-            if total is None:
+            if total is None and id(param) not in streamed.uncalled_parameters:
                 raise RuntimeError(
                     f"streaming backward: a parameter of shape {tuple(param.shape)} that requires grad got no gradient "
                     f"from {type(streamed.layer).__name__}'s recomputation; refusing to return a missing gradient."
@@ -566,7 +604,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                     f"streaming backward: {type(streamed.layer).__name__}'s argument {name!r} requires grad and got no "
                     "gradient from the recomputation; refusing to return a missing gradient."
                 )
-        param_grads = iter(total.to(p.dtype) for total, p in zip(acc, wanted))
+        param_grads = iter(None if total is None else total.to(p.dtype) for total, p in zip(acc, wanted))
         all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[3 + row_count :]]
         all_rows = [row_grads[name] if need else None for name, need in needs_rows.items()]
         return (grad_x, None, None, *all_rows, *all_grads)
@@ -586,7 +624,10 @@ def _forward_with_checkpoints(streamed, x):
         return None if streamed.states_mixer is None else recurrent.StateSeam(*states)
 
     def chunk_output(x_chunk, keys, values, index, *states):
-        return streamed.call(x_chunk, index, FixedCache(keys, values), seam=seam(states))  # (out,) or (out, logits)
+        """(out,) or (out, router logits); then the mixer's end states where one sits beside the attention."""
+        chunk_seam = seam(states)
+        outs = streamed.call(x_chunk, index, FixedCache(keys, values), seam=chunk_seam)
+        return outs if chunk_seam is None else (*outs, *chunk_seam.end_states())
 
     def from_sources(sources, index, *states):
         start, end = streamed.chunks[index]
@@ -597,13 +638,19 @@ def _forward_with_checkpoints(streamed, x):
 
     def layer_body(x):
         parts, starts, states = [], [], (None, None)
+        # Whether the K/V pass carries the mixer's states: it ran before the attention stopped at the cache (Falcon-H1's
+        # order). Else (Zamba2's) each chunk's output pass hands the next its states, the chunks in order.
+        keys_values_carry = streamed.states_mixer is not None
         for index, (start, end) in enumerate(streamed.chunks):
             cache, chunk_seam = _KeysValuesOnly(), seam(states)
             streamed.call(x[:, start:end], index, cache, seam=chunk_seam)
             parts.append((cache.keys, cache.values))
             starts.append(states)
-            if chunk_seam is not None:  # the mixer ran before the attention stopped at the cache (Falcon-H1's order)
+            if chunk_seam is not None:
                 states = chunk_seam.end_states()
+                keys_values_carry = keys_values_carry and chunk_seam.met
+        if streamed.states_mixer is not None and not keys_values_carry and streamed.blind:
+            raise streamed.attention_before_mixer()
         keys = torch.cat([k for k, _ in parts], dim=2)
         values = torch.cat([v for _, v in parts], dim=2)
         del parts
@@ -612,19 +659,20 @@ def _forward_with_checkpoints(streamed, x):
         sources = None
         if x.requires_grad and keys.requires_grad and values.requires_grad:
             sources = [saved_once(tensor, len(streamed.chunks)) for tensor in (x, keys, values)]
-        outs = [None] * len(streamed.chunks)
+        outs, states = [None] * len(streamed.chunks), (None, None)
         for index in streamed.forward_order():  # the Function's order: the same dropout draws
             start, end = streamed.chunks[index]
             kv_start, kv_end = streamed.key_ranges[index]
+            chunk_states = starts[index] if keys_values_carry else states
             if sources is not None:
-                outs[index] = checkpoint(from_sources, sources, index, *starts[index], use_reentrant=False)
-                continue
-            outs[index] = (
-                checkpoint(
+                outs[index] = checkpoint(from_sources, sources, index, *chunk_states, use_reentrant=False)
+            else:
+                outs[index] = checkpoint(
                     chunk_output, x[:, start:end], keys[:, :, kv_start:kv_end], values[:, :, kv_start:kv_end], index,
-                    *starts[index], use_reentrant=False,
+                    *chunk_states, use_reentrant=False,
                 )
-            )
+            if streamed.states_mixer is not None:
+                outs[index], states = outs[index][:-2], outs[index][-2:]
         for source in sources or ():
             source.forward_done()
         out = torch.cat([chunk[0] for chunk in outs], dim=1)
@@ -650,6 +698,8 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward). While torch.compile
     traces, one operator of the graph where the call allows it (compiled.py), else the eager call (one graph break).
     A recurrent layer (the registry's `streaming_recurrent`) streams through its state (recurrent.py)."""
+    if parts.inside_a_layer(layer):  # a decoder layer inside a streamed one's chunk: neither streamed nor checkpointed
+        return forward(layer, *args, **kwargs)
     if parts.mixer_beside_attention(layer) is not None:  # both seams in one layer: the eager call (one graph break)
         return _eager_forward(forward, layer, *args, **kwargs)
     if parts.recurrent_mixer(layer) is not None:

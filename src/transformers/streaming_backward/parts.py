@@ -22,9 +22,24 @@ def layer_config(layer):
     return getattr(layer, "_streaming_config", None)
 
 
+def _nested(layer):
+    """The registry's `streaming_nested` paths of `layer`'s class (attention, mixer, mask argument), or None."""
+    nested = getattr(_family(layer), "streaming_nested", None) or {}
+    return next((nested[c.__name__] for c in type(layer).__mro__ if c.__name__ in nested), None)
+
+
+def _at(module, path):
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module
+
+
 def recurrent_mixer(layer):
-    """The recurrent mixer module of `layer` (the registry's `streaming_recurrent` attribute), or None: Mamba2's
-    `mixer`, a hybrid's `linear_attn` (absent on its attention layers)."""
+    """The recurrent mixer module of `layer` (the registry's `streaming_recurrent` attribute, or its `streaming_nested`
+    path), or None: Mamba2's `mixer`, a hybrid's `linear_attn` (absent on its attention layers)."""
+    nested = _nested(layer)
+    if nested is not None:
+        return _at(layer, nested[1])
     name = getattr(_family(layer), "streaming_recurrent", None)
     # A hybrid keeping every block's mixer under that one attribute (Nemotron-H's `mixer`: Mamba2, attention, MLP or
     # MoE, by the block's `block_type`): its linear-attention blocks only.
@@ -48,11 +63,35 @@ def attention_module(layer):
     """The attention module of `layer` that meets the K/V cache: `self_attn`, else a hybrid block's mixer where it is
     attention (Nemotron-H's `mixer` on its "full_attention" blocks, the registry's `streaming_recurrent` attribute);
     None for a layer without one."""
+    nested = _nested(layer)
+    if nested is not None:
+        return _at(layer, nested[0])
     attn = getattr(layer, "self_attn", None)
     if attn is None and getattr(layer, "block_type", None) == "full_attention":
         name = getattr(_family(layer), "streaming_recurrent", None)
         attn = None if name is None else getattr(layer, name, None)
     return attn
+
+
+def attention_mask_argument(layer):
+    """The name of the decoder layer's argument that carries its attention's mask: `attention_mask`, or the registry's
+    (Zamba2's hybrid layers take the mixer's padding mask as `attention_mask` and the attention's as `causal_mask`)."""
+    nested = _nested(layer)
+    return "attention_mask" if nested is None else nested[2]
+
+
+def calls_some_modules_only(layer):
+    """Whether a call of `layer` may leave some of its modules uncalled, their parameters without a gradient from it as
+    upstream's step leaves them (Zamba2's hybrid layers: the shared block holds every hybrid layer's adapters, and each
+    layer calls its own): the registry's `streaming_nested` layers."""
+    return _nested(layer) is not None
+
+
+def inside_a_layer(layer):
+    """Whether `layer` is a module inside a decoder layer (Zamba2's Mamba2 decoder layer and shared attention block
+    in a hybrid layer): it runs as part of that one, in its chunks (marked at construction for the families with
+    recurrent layers, streaming_backward/__init__.py)."""
+    return getattr(layer, "_mst_inside_layer", False)
 
 
 def returned(layer, out):

@@ -23,17 +23,18 @@ def layer_parameters(layer, mixer=None):
     layers and attention modules (output_hidden_states), which only read the outputs.
     """
     attn = attention_module(layer) if mixer is None else mixer
-    if foreign_attention_hooks(attn):
+    path = _modules_holding(layer, attn)  # the layer's modules that hold `attn` (Zamba2's shared block), outermost first
+    if any(foreign_attention_hooks(module) for module in (*path[1:], attn)):
         return None
-    modules = [child for child in layer.children() if child is not attn] + list(attn.children())
+    modules = [child for owner in path for child in owner.children() if child is not attn and child not in path]
     params = []
-    for module in modules:
+    for module in [*modules, *attn.children()]:
         # The router's logits recorder runs per chunk with the collector the streamed layer sets (router.py).
         module_params = function_parameters(module, harmless_hook=_records_router_logits)
         if module_params is None:
             return None
         params += module_params
-    for owner in (layer, attn):  # their own parameters (GPT-OSS's attention sinks): plain ones only
+    for owner in (*path, attn):  # their own parameters (GPT-OSS's attention sinks): plain ones only
         for value in vars(owner).values():
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 return None  # a weight installed as a plain attribute (FSDP1's parameter views)
@@ -43,6 +44,15 @@ def layer_parameters(layer, mixer=None):
                     return None  # FSDP1's FlatParameter, a DTensor, a ZeRO-3 parameter
                 params.append(param)
     return params
+
+
+def _modules_holding(layer, attn) -> list:
+    """[layer, ..., attn's parent]: the modules from the layer down to the one holding `attn` as a child (`[layer]`
+    where the layer holds it itself)."""
+    path = [layer]
+    while not any(child is attn for child in path[-1].children()):
+        path.append(next(child for child in path[-1].children() if any(m is attn for m in child.modules())))
+    return path
 
 
 def _records_router_logits(hook) -> bool:
