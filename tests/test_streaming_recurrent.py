@@ -58,12 +58,17 @@ def _step(family, chunk, batches, hooks=False, dtype=torch.float32, prepare=None
     if hooks:  # as ZeRO-3 / accelerate put them: the layers take the checkpointed fallback
         for module in model.modules():
             module.register_forward_pre_hook(lambda module, args: None)
+    return _step_on(model, batches)
+
+
+def _step_on(model, batches):
+    """(loss per micro-batch, {name: gradient} of the parameters that require grad), accumulated over `batches`."""
     losses = []
     for ids, mask, labels in batches:
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         losses.append(loss.detach())
-    return torch.stack(losses), {name: p.grad for name, p in model.named_parameters()}
+    return torch.stack(losses), {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _relative(got, want):
@@ -464,20 +469,71 @@ def test_left_padding_refused_where_attention_precedes_the_mixer():
 
 def test_parameters_of_uncalled_modules_only_go_without_a_gradient(monkeypatch):
     """Zamba2's shared block holds every hybrid layer's adapters and each layer calls its own: the other layers'
-    adapters get no gradient from this layer's call, as in upstream's step (layer.py `noting_uncalled_parameters`).
+    adapters get no gradient from this layer's call, as in upstream's step (wrappers.py `noting_uncalled_parameters`).
     Any other parameter without one is refused: with nothing noted as uncalled, the same step raises."""
+    from transformers.streaming_backward import wrappers
+
     noted = []
-    note = streamed_layer.StreamedCall.noting_uncalled_parameters
+    note = wrappers.noting_uncalled_parameters
 
-    def noting(self):
-        noted.append(self)
-        return note(self)
+    def noting(layer, found):
+        noted.append((layer, found))
+        return note(layer, found)
 
-    monkeypatch.setattr(streamed_layer.StreamedCall, "noting_uncalled_parameters", noting)
+    monkeypatch.setattr(streamed_layer, "noting_uncalled_parameters", noting)
     batches = [_batch(family="zamba2")]
     _assert_exact(_step("zamba2", 7, batches), "zamba2", 7, batches)
     # each hybrid layer leaves the other's adapters uncalled: 2 linear maps each for q, k, v and the MLP's gate_up
-    assert len(noted) == 2 and all(len(call.uncalled_parameters) == 8 for call in noted)
-    monkeypatch.setattr(streamed_layer.StreamedCall, "noting_uncalled_parameters", lambda self: contextlib.nullcontext())
+    assert [len(found) for _, found in noted] == [8, 8]
+    monkeypatch.setattr(streamed_layer, "noting_uncalled_parameters", lambda layer, found: contextlib.nullcontext())
     with pytest.raises(RuntimeError, match="that requires grad got no gradient"):
         _step("zamba2", 7, batches)
+
+
+@pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
+def test_peft_lora_on_every_linear_layer(family, streamed_calls):
+    """PEFT LoRA (dropout 0) on every linear layer but the mixers' `out_proj` (which PEFT refuses on Mamba-based models),
+    the mixers' other projections included, the base weights frozen (the first layer's input then needs no gradient):
+    the loss and the adapters' gradients as with the field unset. The adapters upstream's step leaves without a
+    gradient (Jamba's `dt_proj`, whose weight its mixer reads without calling it; Zamba2's other layers' adapters) get
+    none here either, and the step does not refuse them."""
+    import peft
+    batches = [_batch(family=family)]
+
+    def step(chunk, dtype=torch.float32):
+        fields = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+        model = make_model(family, streaming_backward_chunk=chunk, **fields).to(dtype).train()
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                                 exclude_modules=["out_proj"], init_lora_weights=False)
+        return _step_on(peft.get_peft_model(model, config), batches)
+
+    got, want = step(7), step(None)
+    assert streamed_calls and want[1] and all(".lora_" in name for name in want[1])
+    missing = sorted(name for name, grad in want[1].items() if grad is None)
+    assert missing == sorted(name for name, grad in got[1].items() if grad is None)
+    # Only these go without one: `dt_proj`, whose weight the Mamba mixers read without calling it, and adapters of the
+    # other hybrid layers (Zamba2); most adapters get a gradient
+    assert all(".dt_proj." in name or "_adapter_list." in name for name in missing), missing
+    assert len(want[1]) - len(missing) >= 4  # Mamba2: in_proj of 2 layers
+    for name in missing:
+        del got[1][name], want[1][name]
+
+    @functools.cache
+    def in_fp64():
+        with fp64_throughout(family):
+            return tuple((loss, {n: g for n, g in grads.items() if n not in missing})
+                         for loss, grads in (step(7, torch.float64), step(None, torch.float64)))
+
+    _assert_close(got, want, in_fp64)
+
+
+def test_recurrent_layers_refuse_other_missing_gradients(monkeypatch):
+    """The recurrent layers' Function exempts the same parameters only: with nothing noted as uncalled, Jamba's Mamba
+    layers with LoRA on `in_proj` and `dt_proj` (whose weight the mixer reads without calling it: its adapters get no
+    gradient) raise."""
+    import peft
+    monkeypatch.setattr(recurrent, "noting_uncalled_parameters", lambda layer, found: contextlib.nullcontext())
+    model = peft.get_peft_model(make_model("jamba", streaming_backward_chunk=7).train(),
+                                peft.LoraConfig(r=4, target_modules=["in_proj", "dt_proj"], init_lora_weights=False))
+    with pytest.raises(RuntimeError, match="JambaMambaDecoderLayer's recomputation; refusing to return a missing"):
+        _step_on(model, [_batch()])

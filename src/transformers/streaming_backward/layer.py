@@ -30,6 +30,11 @@ through the projections before the cache (a K/V-only pass in the forward; their 
 state than the backward's K/V pass, so it computes them again instead of reading their records).
 
 MoE router logits (`output_router_logits=True`) come back whole, with their graph, as one more output (router.py).
+
+A layer with a recurrent mixer beside its attention (Falcon-H1's; Zamba2's hybrid layers, whose shared attention block
+runs before the mixer) streams here too, its cache object for a chunk both seams (recurrent.StatesBesideKeysValues):
+the forward keeps each chunk's start states, and each chunk's turn in the backward starts from them as leaves and
+takes the gradients the next chunk sent to its end states, as a recurrent layer does (recurrent.py).
 """
 
 import contextlib
@@ -77,7 +82,7 @@ from .masks import (
 from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
 from .projections import RecordedProjections, recordable_projections
 from .rows import RowBlocks, row_blocks, slice_rows
-from .wrappers import layer_parameters
+from .wrappers import layer_parameters, noting_uncalled_parameters
 from .zero3_leaves import leaf_gradients_queued_once
 
 
@@ -184,7 +189,7 @@ class StreamedCall:
             )
         # The mixer's states at each chunk's start (conv, recurrent), recorded by the forward: None until known.
         self.starts = [(None, None)] + [None] * (len(self.chunks) - 1)
-        self.uncalled_parameters = set()  # ids: see `noting_uncalled_parameters`
+        self.uncalled_parameters = set()  # ids (wrappers.noting_uncalled_parameters)
         self.chunk_rng, self.kv_rng = None, {}
         # The chunks' masks as views of one tensor (masks.OffsetChunkMasks), on the CPU where the model passed no
         # mask and the attention is not split by the causal bias (masks.OwnKeysCausalBias: float32/64), inside
@@ -288,28 +293,6 @@ class StreamedCall:
         logits = router.chunk_logits(collected, self.layer, self.batch, end - start)
         return (out,) if logits is None else (out, logits)
 
-    @contextlib.contextmanager
-    def noting_uncalled_parameters(self):
-        """Where a call may leave some of the layer's modules uncalled (parts.calls_some_modules_only: Zamba2's hybrid
-        layers), the ids of the parameters of the entries of a module list that it never called (the other layers'
-        adapters), which get no gradient from this call as upstream's step gives them none, into
-        `uncalled_parameters`; the backward refuses a missing gradient of any other parameter (one of a module whose
-        weight is read without calling it, as a mixer's `conv1d`, too)."""
-        if not parts.calls_some_modules_only(self.layer):
-            yield
-            return
-        called = set()
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: called.add(module))
-        try:
-            yield
-        finally:
-            handle.remove()
-        self.uncalled_parameters = {
-            id(param) for container in self.layer.modules()
-            if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict))
-            for entry in container.children() if entry not in called for param in entry.parameters()
-        }
-
     def attention_before_mixer(self):
         """The error for a layer whose attention runs before its mixer (Zamba2's hybrid layers), given a chunk whose
         rows see no key."""
@@ -400,7 +383,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(x)
             ctx.saved_input = None
-        with streamed.views_of_one_mask(), streamed.noting_uncalled_parameters():
+        with streamed.views_of_one_mask(), noting_uncalled_parameters(streamed.layer, streamed.uncalled_parameters):
             outputs, keys, values = streamed.run(x, record_rng=True)
         del keys, values
         return outputs if len(outputs) > 1 else outputs[0]

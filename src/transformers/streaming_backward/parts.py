@@ -80,13 +80,6 @@ def attention_mask_argument(layer):
     return "attention_mask" if nested is None else nested[2]
 
 
-def calls_some_modules_only(layer):
-    """Whether a call of `layer` may leave some of its modules uncalled, their parameters without a gradient from it as
-    upstream's step leaves them (Zamba2's hybrid layers: the shared block holds every hybrid layer's adapters, and each
-    layer calls its own): the registry's `streaming_nested` layers."""
-    return _nested(layer) is not None
-
-
 def inside_a_layer(layer):
     """Whether `layer` is a module inside a decoder layer (Zamba2's Mamba2 decoder layer and shared attention block
     in a hybrid layer): it runs as part of that one, in its chunks (marked at construction for the families with

@@ -35,7 +35,7 @@ from .config import streaming_chunk_size
 from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
 from .parts import layer_config, recurrent_mixer, returned
 from .rows import slice_rows
-from .wrappers import layer_parameters
+from .wrappers import layer_parameters, noting_uncalled_parameters
 
 
 # A packed batch's sequence boundaries, as a recurrent mixer's kernel reads them (Qwen3-Next's Gated DeltaNet passes
@@ -141,6 +141,7 @@ class RecurrentCall:
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
         self.chunks = state_chunks(self.seq_len, chunk)
+        self.uncalled_parameters = set()  # ids (wrappers.noting_uncalled_parameters)
 
     def call(self, x_chunk, index, seam):
         """The layer's own forward on chunk `index`, its mixer meeting `seam`: (the chunk's output, its router logits
@@ -177,18 +178,19 @@ class StreamedRecurrentFunction(torch.autograd.Function):
         ctx.autocast_state = capture_autocast_state(x.device.type)
         ctx.rng, ctx.starts = [], [(None, None)]
         out, logits = None, []
-        for index, (start, end) in enumerate(call.chunks):
-            ctx.rng.append(capture_rng_state(x.device))  # dropout draws the same masks when the chunk is recomputed
-            seam = StateSeam(*ctx.starts[-1])
-            chunk_out, chunk_logits = call.call(x[:, start:end], index, seam)
-            if out is None:
-                out = chunk_out.new_empty(x.shape[:2] + chunk_out.shape[2:])
-            out[:, start:end].copy_(chunk_out)
-            if chunk_logits is not None:
-                logits.append(chunk_logits)
-            # copies: the conv state is a view of the chunk's joined inputs
-            ctx.starts.append(tuple(None if s is None else s.clone() for s in seam.end_states()))
-            del chunk_out, seam
+        with noting_uncalled_parameters(call.layer, call.uncalled_parameters):
+            for index, (start, end) in enumerate(call.chunks):
+                ctx.rng.append(capture_rng_state(x.device))  # dropout draws the same masks when the chunk is recomputed
+                seam = StateSeam(*ctx.starts[-1])
+                chunk_out, chunk_logits = call.call(x[:, start:end], index, seam)
+                if out is None:
+                    out = chunk_out.new_empty(x.shape[:2] + chunk_out.shape[2:])
+                out[:, start:end].copy_(chunk_out)
+                if chunk_logits is not None:
+                    logits.append(chunk_logits)
+                # copies: the conv state is a view of the chunk's joined inputs
+                ctx.starts.append(tuple(None if s is None else s.clone() for s in seam.end_states()))
+                del chunk_out, seam
         ctx.starts.pop()  # the last chunk's end state: nothing reads it
         return (out, token_major(logits, (call.batch,))) if logits else out
 
@@ -247,12 +249,12 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                     raise missing_state_gradient(call.layer, start)
                 del grads
         for total, param in zip(acc, wanted):
-            if total is None:
+            if total is None and id(param) not in call.uncalled_parameters:
                 raise RuntimeError(
                     f"streaming backward: a parameter of shape {tuple(param.shape)} that requires grad got no gradient "
                     f"from {type(call.layer).__name__}'s recomputation; refusing to return a missing gradient."
                 )
-        param_grads = iter(total.to(p.dtype) for total, p in zip(acc, wanted))
+        param_grads = iter(None if total is None else total.to(p.dtype) for total, p in zip(acc, wanted))
         return (grad_x, None, None, *[next(param_grads) if need else None for need in ctx.needs_input_grad[3:]])
 
 

@@ -8,6 +8,8 @@ takes the autograd fallback instead (layer.py `_forward_with_checkpoints`), so a
 the wrapper expects.
 """
 
+import contextlib
+
 import torch
 
 from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook
@@ -81,3 +83,22 @@ def foreign_attention_hooks(attn) -> bool:
         if getattr(hook, "__name__", "") != "output_capturing_hook" and not _is_idle_zero3_hook(attn, hook)
     ]
     return bool(foreign or attn._backward_hooks or attn._backward_pre_hooks or "forward" in attn.__dict__)
+
+
+@contextlib.contextmanager
+def noting_uncalled_parameters(layer, found: set):
+    """While active, which modules run; on leaving, the ids of the parameters of `layer`'s module-list and module-dict
+    entries that never ran go into `found`. They get no gradient from this call, as in upstream's step: a LoRA
+    layer's adapters where upstream reads the base layer's weight without calling it (Jamba's `dt_proj`), Zamba2's
+    other hybrid layers' adapters in its shared block. The streamed Functions refuse a missing gradient of any other
+    parameter (one of a module whose weight is read without calling it, as a mixer's `conv1d`, included)."""
+    called = set()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: called.add(module))
+    try:
+        yield
+    finally:
+        handle.remove()
+    found.update(
+        id(param) for container in layer.modules() if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        for entry in container.children() if entry not in called for param in entry.parameters()
+    )
