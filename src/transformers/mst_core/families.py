@@ -222,6 +222,15 @@ FAMILIES = {
     "qwen3_vl_moe": Family("Qwen3-VL-MoE", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", "text_config",
                            no_streaming="on `text_config`: the text layers, as Qwen3-VL-MoE text (images and videos "
                                         "included)"),
+    # Qwen3.5 and Qwen3.5-MoE as their checkpoints load for images and videos (`Qwen3_5ForConditionalGeneration`,
+    # `Qwen3_5MoeForConditionalGeneration`; AutoModelForCausalLM builds the text stack alone): the text stacks above
+    # (Gated DeltaNet and full-attention layers, streamed as there) under a vision tower, with multimodal rotary
+    # positions. Their tests build the composites around the tiny text configs (tests/test_new_families.py).
+    "qwen3_5": Family("Qwen3.5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "text_config",
+                      no_streaming="on `text_config`: the text layers, as Qwen3.5 text (images and videos included)"),
+    "qwen3_5_moe": Family("Qwen3.5-MoE", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", "text_config",
+                          no_streaming="on `text_config`: the text layers, as Qwen3.5-MoE text (images and videos "
+                                       "included)"),
     # Mamba2: every layer a Mamba2 mixer (a 1-D convolution, then the SSD scan), streamed through its conv and SSM
     # states; mini_sequence_chunk chunks its LM head + loss, as Mamba's. Tiny: 4 heads of 16, state 8, scan chunks of 8
     # (shorter than the test sequences).
