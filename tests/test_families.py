@@ -28,9 +28,10 @@ def test_readme_support_matrix_is_the_registry():
 def test_every_family_has_a_tiny_test_config():
     tiny = (set(tiny_models.FAMILIES) | set(tiny_models.NEW_FAMILIES) | set(tiny_models.SSM_FAMILIES)
             | set(tiny_models.RECURRENT_FAMILIES))
-    # The multimodal gemma3, gemma4, qwen3_vl and qwen3_vl_moe are built around text tiny configs in
-    # tests/test_new_families.py (Qwen3-VL's text stacks have no head of their own: they train inside the composite).
-    built_there = ["gemma3", "gemma4", "qwen3_vl_text", "qwen3_vl", "qwen3_vl_moe_text", "qwen3_vl_moe"]
+    # The multimodal gemma3, gemma4, qwen3_vl, qwen3_vl_moe, qwen3_5 and qwen3_5_moe are built around text tiny configs
+    # in tests/test_new_families.py (Qwen3-VL's text stacks have no head of their own: they train inside the composite).
+    built_there = ["gemma3", "gemma4", "qwen3_vl_text", "qwen3_vl", "qwen3_vl_moe_text", "qwen3_vl_moe", "qwen3_5",
+                   "qwen3_5_moe"]
     assert tiny | set(built_there) == set(families.FAMILIES)
     assert [t for t, family in families.FAMILIES.items() if family.tiny is None] == built_there
 
