@@ -393,8 +393,9 @@ def test_hybrid_with_flash_attention(family, flash_reference, monkeypatch):
     batches = [_batch(family=family)]
     calls = _streamed_layer_calls(monkeypatch)
     got = _step(family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
-    layers = ["recurrent" if parts.attention_module(layer) is None else "attention"
-              for layer in make_model(family).model.layers]
+    layers = ["recurrent" if parts.recurrent_mixer(layer) is not None and parts.mixer_beside_attention(layer) is None
+              else "attention" for layer in make_model(family).model.layers
+              if parts.recurrent_mixer(layer) is not None or parts.attention_module(layer) is not None]
     assert calls == layers and "reference_flash_varlen" in flash_reference.calls
     _assert_exact(got, family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
 
