@@ -46,6 +46,10 @@ CASES = {
     # whole sequence (patch 0006 numbers a shard's from its first token); its decoder layer passes no position_ids to
     # its attention (patch 0006 hands them over under Ulysses). A MoE block in layer 1.
     "llama4_window": "family=llama4_text,case=window",
+    # Multi-head Latent Attention: query/key heads of 12, value heads of 8, which DeepSpeed's module (built for one
+    # head size) cannot exchange: transformers-mst does (ulysses/exchange.py). V2 without a query LoRA, V3 with one.
+    "deepseek_v2_padding": "family=deepseek_v2,case=padding",
+    "glm4_moe_lite_packed": "family=glm4_moe_lite,case=packed",
     # streaming_backward_chunk under Ulysses (SP_RUNS): each rank's query chunks against the gathered keys.
     "stream_window": "family=mistral,case=window",
     "stream_padding": "family=llama,case=padding,batch=2",  # 2 rows, each padded to its own length
@@ -56,6 +60,11 @@ CASES = {
     "stream_moe": "family=mixtral,case=window",
     "stream_gemma4_padding": "family=gemma4_text,case=padding",
     "stream_llama4_packed": "family=llama4_text,case=packed",
+    # Latent attention streamed: every rank gathers the whole sequence's latents (one "head" for all query heads)
+    # and its chunks attend their own rows with every head.
+    "stream_mla_padding": "family=deepseek_v3,case=padding,batch=2",
+    "stream_mla_left_padding": "family=glm4_moe_lite,case=left_padding,batch=2",
+    "stream_mla_packed": "family=deepseek_v2,case=packed",
 }
 # Gemma-4 text: its third step's ZeRO-3 gradient norm moves 2.7e-5 from one process's with both fields unset and 4.4e-5
 # streamed (measured; its first two within 3e-7): three Adam steps at lr 1e-2 grow its fp32 rounding differences, as in
@@ -71,7 +80,9 @@ SP_RUNS = {
         "stream_window": ",stream=4", "stream_padding": ",stream=5,chunk=4", "stream_left_padding": ",stream=4",
         "stream_packed": ",stream=5,offload=1", "stream_qwen2_window": ",stream=4,chunk=4",
         "stream_gemma3_window": ",stream=5", "stream_moe": ",stream=4,chunk=4", "gemma4_window": "",
-        "stream_gemma4_padding": ",stream=4,chunk=4", "llama4_window": ",chunk=4", "stream_llama4_packed": ",stream=5"},
+        "stream_gemma4_padding": ",stream=4,chunk=4", "llama4_window": ",chunk=4", "stream_llama4_packed": ",stream=5",
+        "deepseek_v2_padding": ",chunk=4", "glm4_moe_lite_packed": "", "stream_mla_padding": ",stream=4,chunk=4",
+        "stream_mla_left_padding": ",stream=5", "stream_mla_packed": ",stream=5,offload=1"},
     3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4", "qwen3_window": "",
         "gemma3_window": ",chunk=4", "phi3_packed": ",chunk=4", "olmo2_padding": "", "olmo3_window": ",chunk=4",
         "smollm3_packed": "", "ministral3_padding": ",chunk=4", "mixtral_window": "", "qwen3_moe_packed": ",chunk=4",
@@ -80,7 +91,9 @@ SP_RUNS = {
         "stream_window": ",stream=5,chunk=4", "stream_padding": ",stream=4", "stream_left_padding": ",stream=5",
         "stream_packed": ",stream=4,chunk=4,offload=1", "stream_qwen2_window": ",stream=5",
         "stream_gemma3_window": ",stream=4,chunk=4", "stream_moe": ",stream=5", "gemma4_window": ",chunk=4",
-        "stream_gemma4_padding": ",stream=5", "llama4_window": "", "stream_llama4_packed": ",stream=4,chunk=4"},
+        "stream_gemma4_padding": ",stream=5", "llama4_window": "", "stream_llama4_packed": ",stream=4,chunk=4",
+        "deepseek_v2_padding": "", "glm4_moe_lite_packed": ",chunk=4", "stream_mla_padding": ",stream=5",
+        "stream_mla_left_padding": ",stream=4,chunk=4", "stream_mla_packed": ",stream=4,offload=1"},
 }
 
 
@@ -152,7 +165,8 @@ def test_sp2_refuses_what_it_cannot_make_exact(tmp_path):
 def test_sp2_streaming_planted_errors_are_seen(reference, tmp_path):
     """The Ulysses comparisons above can fail: a wrong exchange of keys and values, or a wrong mask row, moves the
     first step's loss past their tolerance, on both of the streamed layer's paths (ZeRO-2: the Function; ZeRO-3:
-    nested checkpoints), and so does numbering Llama-4's NoPE queries from 0 on every shard (9e-5 measured)."""
+    nested checkpoints), and so does numbering Llama-4's NoPE queries from 0 on every shard (9e-5 measured) or a
+    latent-attention chunk's own rows from the first shard's."""
     specs = {
         "keys_zero2": ("stream_window", "family=mistral,case=window,stream=4,zero=2,plant=keys,steps=1"),
         "keys_zero3": ("stream_window", "family=mistral,case=window,stream=5,zero=3,plant=keys,steps=1"),
@@ -161,6 +175,9 @@ def test_sp2_streaming_planted_errors_are_seen(reference, tmp_path):
         # Llama-4's NoPE queries numbered from 0 on every shard: unstreamed, and streamed (the chunk cache's count)
         "offset": ("llama4_window", "family=llama4_text,case=window,zero=2,plant=offset,steps=1"),
         "offset_streamed": ("stream_llama4_packed", "family=llama4_text,case=packed,stream=4,zero=3,plant=offset,steps=1"),
+        # Latent attention: a wrong gather of the latents; each shard's own rows numbered from 0 (read as rank 0's)
+        "keys_mla": ("stream_mla_padding", "family=deepseek_v3,case=padding,batch=2,stream=4,zero=2,plant=keys,steps=1"),
+        "offset_mla": ("stream_mla_packed", "family=deepseek_v2,case=packed,stream=5,zero=3,plant=offset,steps=1"),
     }
     results = torchrun(2, 2, [f"{name}:{spec}" for name, (_, spec) in specs.items()], tmp_path, "planted")
     for name, (case, _) in specs.items():

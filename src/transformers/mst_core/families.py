@@ -143,10 +143,10 @@ FAMILIES = {
     # layer meets at its Cache seam like any K/V), routed experts beside shared ones, the first layers dense; no
     # auxiliary loss in the head. Tiny: layer 0 dense, layer 1 with 4 routed experts (top-2) in 2 groups; V2 without a
     # query LoRA (V2-Lite), V3 with one.
-    "deepseek_v2": Family("DeepSeek-V2", "DeepseekV2Config", "DeepseekV2ForCausalLM", "moe", _ATTENTION,
+    "deepseek_v2": Family("DeepSeek-V2", "DeepseekV2Config", "DeepseekV2ForCausalLM", "moe", _ATTENTION, ulysses=True,
                           tiny={**_TINY_EXPERTS, **_TINY_LATENT, "first_k_dense_replace": 1, "q_lora_rank": None,
                                 "topk_method": "group_limited_greedy"}),
-    "deepseek_v3": Family("DeepSeek-V3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "moe", _ATTENTION,
+    "deepseek_v3": Family("DeepSeek-V3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "moe", _ATTENTION, ulysses=True,
                           tiny={**_TINY_EXPERTS, **_TINY_LATENT, "first_k_dense_replace": 1, "q_lora_rank": 16,
                                 "routed_scaling_factor": 2.5}),
     # GLM-4.5/4.6/4.7 (`glm4_moe`): DeepSeek-V3's MoE with grouped-query attention, partial RoPE and q/k norms.
@@ -154,7 +154,7 @@ FAMILIES = {
     "glm4_moe": Family("GLM-4.5", "Glm4MoeConfig", "Glm4MoeForCausalLM", "moe", _ATTENTION, ulysses=True,
                        tiny={**_TINY_EXPERTS, "first_k_dense_replace": 1, "use_qk_norm": True}),
     # GLM-4.7-Flash (`glm4_moe_lite`): GLM-4.5's MoE with DeepSeek-V3's latent attention.
-    "glm4_moe_lite": Family("GLM-4.7-Flash", "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "moe", _ATTENTION,
+    "glm4_moe_lite": Family("GLM-4.7-Flash", "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "moe", _ATTENTION, ulysses=True,
                             tiny={**_TINY_EXPERTS, **_TINY_LATENT, "q_lora_rank": 16,
                                   "mlp_layer_types": ["dense", "sparse"]}),
     # DeepSeek-V3.2 and GLM-5 (`glm_moe_dsa`): DeepSeek-V3's and GLM-4.7-Flash's layers with DeepSeek Sparse Attention,

@@ -37,6 +37,22 @@ def sequence_to_heads(tensor: torch.Tensor, sp: int, group) -> torch.Tensor:
     return all_to_all(parts, group).transpose(0, 1).reshape(b, sp * heads, length, d)
 
 
+def gather_sequence(tensor: torch.Tensor, group) -> torch.Tensor:
+    """[B, 1, L, D] of this shard -> [B, 1, sp L, D], every rank's shard in rank order (differentiable: its backward
+    sums the ranks' gradients of each shard, a reduce-scatter). For tensors that hold no heads to split: Multi-head
+    Latent Attention's cached latents, which every query head reads."""
+    from torch.distributed import _functional_collectives as collectives
+
+    return collectives.wait_tensor(collectives.all_gather_tensor_autograd(tensor.contiguous(), 2, group))
+
+
+def scatter_sequence_grad(grad: torch.Tensor, group) -> torch.Tensor:
+    """The adjoint of `gather_sequence` (no graph): [B, 1, sp L, D] -> this shard's [B, 1, L, D], summed over ranks."""
+    from torch.distributed import _functional_collectives as collectives
+
+    return collectives.wait_tensor(collectives.reduce_scatter_tensor(grad.contiguous(), "sum", 2, group))
+
+
 def fits_deepspeed(uattn, query, key, value) -> bool:
     """Whether DeepSpeed's module was built for these shapes ([B, H, L, D]: its head count and size, its key/value
     head count)."""

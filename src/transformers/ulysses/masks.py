@@ -35,7 +35,10 @@ import torch
 from ..mst_core.families import model_types
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.sharded_sequence import ShardedSequenceMask
-from .exchange import fits_deepspeed, heads_to_sequence, sequence_to_heads, whole_sequence_attention
+from .exchange import (
+    fits_deepspeed, gather_sequence, heads_to_sequence, scatter_sequence_grad, sequence_to_heads,
+    whole_sequence_attention,
+)
 from .streamed import STREAMABLE_ATTENTION, StreamedQueryChunk
 
 # Model types whose masks are exactly create_causal_mask / create_sliding_window_causal_mask /
@@ -56,6 +59,7 @@ class UlyssesMask(ShardedSequenceMask):
         self.world_size = uattn.world_size
         self.first_token = uattn.sp_rank * q_length  # ranks hold contiguous shards
         self._full_padding = None
+        self._latents_gathered = False  # whether the last `gather_keys_values` gathered latents
         self._positions = None  # the whole sequence's position_ids, gathered once (streamed layers)
         self._built = {}
 
@@ -153,9 +157,18 @@ class UlyssesMask(ShardedSequenceMask):
 
     def gather_keys_values(self, keys, values):
         group = self.uattn.process_group
+        self._latents_gathered = keys.shape[1] == values.shape[1] == 1  # for scatter_grad, which follows
+        if self._latents_gathered:
+            # Multi-head Latent Attention (DeepSeek-V2/V3, GLM-4.7-Flash) caches one latent "head" that every query
+            # head reads after upstream expands it (`kv_b_proj`), so there are no heads to split: every rank takes
+            # the whole sequence's latents (check_streamable lets no other single-head K/V through when sp > 1),
+            # and each chunk attends its own rows with all heads (streamed.py).
+            return gather_sequence(keys, group), gather_sequence(values, group)
         return heads_to_sequence(keys, self.world_size, group), heads_to_sequence(values, self.world_size, group)
 
     def scatter_grad(self, grad):
+        if self._latents_gathered:  # this layer's latents (above)
+            return scatter_sequence_grad(grad, self.uattn.process_group)
         return sequence_to_heads(grad, self.world_size, self.uattn.process_group)
 
     def query_chunk(self, start, end, position_ids, causal_bias):

@@ -34,7 +34,9 @@ class StreamedQueryChunk:
 
     def attend(self, module, query, keys, values, core, uattn, args, kwargs):
         """query [B, H, C, D] of this shard's rows [start, end); keys/values [B, H_kv/sp, S, D] (gathered) ->
-        ([B, C, H, D], None), as an attention function returns."""
+        ([B, C, H, D], None), as an attention function returns. Keys and values of every query head (expanded from
+        the whole sequence's latents, masks.py `gather_keys_values`): the chunk's own rows attend them here, with no
+        all-to-all."""
         sp, group = uattn.world_size, uattn.process_group
         b, h, c, d = query.shape
         length = self.mask.q_length
@@ -44,13 +46,11 @@ class StreamedQueryChunk:
                 f"Ulysses streaming: the cache handed the attention {keys.shape[-2]} keys, not the whole sequence's "
                 f"{whole_length}; please report this with your setup."
             )
-        blocks = heads_to_sequence(query, sp, group)  # [B, H/sp, sp C, D]: rank i's rows at [i C, (i + 1) C)
         positions = self.mask.gathered_positions(self.position_ids, uattn)
         shape_like = query.new_empty((b, 1, whole_length, 0))
         whole_mask = self.mask.build(module, shape_like, {**kwargs, "position_ids": positions}, uattn)
-        outputs = []
-        for shard in range(sp):
-            first, last = shard * length + self.start, shard * length + self.end
+
+        def block(queries, first, last):  # rows [first, last) of the whole sequence -> [B, C, heads, D]
             if whole_mask is None:  # plainly causal: the keys before the block's end, aligned bottom-right
                 kv_end, block_mask = last, self.causal_bias(c, last)
             else:
@@ -59,11 +59,17 @@ class StreamedQueryChunk:
                 # A row that sees no key (left padding) reads every key with its whole row, as the unsplit call does.
                 kv_end = last if bool(allowed[..., :last].any(-1).all()) else whole_length
                 block_mask = rows[..., :kv_end]
-            out, _ = core(
-                module, blocks[:, :, shard * c : (shard + 1) * c], keys[:, :, :kv_end], values[:, :, :kv_end],
-                block_mask, *args, **kwargs,
-            )
-            outputs.append(out.transpose(1, 2))  # [B, H/sp, C, D]
+            out, _ = core(module, queries, keys[:, :, :kv_end], values[:, :, :kv_end], block_mask, *args, **kwargs)
+            return out
+
+        if keys.shape[1] == h:  # every head's keys here
+            return block(query, self.mask.first_token + self.start, self.mask.first_token + self.end), None
+        blocks = heads_to_sequence(query, sp, group)  # [B, H/sp, sp C, D]: rank i's rows at [i C, (i + 1) C)
+        outputs = [
+            block(blocks[:, :, shard * c : (shard + 1) * c], shard * length + self.start, shard * length + self.end)
+            .transpose(1, 2)  # [B, H/sp, C, D]
+            for shard in range(sp)
+        ]
         out = torch.cat(outputs, dim=2)  # [B, H/sp, sp C, D]
         del outputs, blocks
         return sequence_to_heads(out, sp, group).transpose(1, 2), None  # [B, C, H, D]
