@@ -501,6 +501,27 @@ def test_streamed_methods_plan_under_ulysses(monkeypatch):
             assert planner.host_bytes("mini_sequence+streaming", seq) >= 2 * (seq // 2) * GQA["hidden_size"] * 2
 
 
+def test_streamed_latent_attention_plans_under_ulysses(monkeypatch):
+    """Latent attention under Ulysses, streamed: the cache holds one latent "head", so each rank gathers the whole
+    sequence's latents (ulysses/masks.py) and every chunk attends its own rows with every head, as the stand-ins do
+    here (before mst.35 they split that one head over the ranks: no keys at all). Fake and real bytes agree."""
+    from transformers.mst_planner import standins
+
+    keys = []
+    forward = standins._UlyssesStreamedChunk.forward
+    monkeypatch.setattr(standins._UlyssesStreamedChunk, "forward",
+                        staticmethod(lambda *args: keys.append(args[2].shape) or forward(*args)))
+    config = transformers.DeepseekV3Config(**TINY, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96,
+                                           qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                           n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1)
+    planner = plan.Planner(config, optimizer="none", optimizer_in_backward=True, parallel=plan.Parallel(2, 0, 2))
+    fake = planner.step_peak_bytes("mini_sequence+streaming", 2048)
+    assert keys and all(shape == (1, 4, 2048, 96) for shape in keys), keys[:3]  # every head, the whole sequence
+    real = planner.step_peak_bytes("mini_sequence+streaming", 2048, fake=False, shallow=False)
+    assert abs(fake - real) <= 0.02 * real, (fake, real)
+
+
 def test_streamed_methods_refuse_replicated_kv_heads(tmp_path):
     """Under Ulysses a streamed layer splits the key/value heads over the ranks: fewer of them than sp is refused, by
     name; without --methods the other methods are planned."""

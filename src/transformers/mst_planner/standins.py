@@ -135,6 +135,22 @@ def _exchanged(tensor, sp, to_sequence):
     return tensor.new_empty((b, h // sp, s * sp, d) if to_sequence else (b, h * sp, s // sp, d))
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Memory stand-in for an all-gather of [B, 1, L, D] into [B, 1, sp L, D] (ulysses/exchange.py: gather_sequence);
+    its backward, a reduce-scatter, allocates one shard's gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, sp):
+        ctx.sp = sp
+        b, h, s, d = tensor.shape
+        return tensor.new_empty((b, h, s * sp, d))
+
+    @staticmethod
+    def backward(ctx, grad):
+        b, h, s, d = grad.shape
+        return grad.new_empty((b, h, s // ctx.sp, d)), None
+
+
 class _UlyssesStreamedChunk(torch.autograd.Function):
     """Memory stand-in for a streamed layer's query chunk under Ulysses (ulysses/streamed.py): the chunk's queries
     [B, H, C, D] go to [B, H/sp, sp C, D] (every shard's rows of the chunk), attend (a FlashAttention kernel per
@@ -144,6 +160,9 @@ class _UlyssesStreamedChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, keys, values, sp):
         ctx.sp = sp
+        if keys.shape[1] == query.shape[1]:  # every head's keys (latents gathered): the chunk's own rows, no exchange
+            ctx.sp = 1
+            return _FlashLikeAttention.forward(ctx, query, keys, values, None)
         blocks = _exchanged(query, sp, True)
         out_heads = blocks.new_empty(blocks.shape[:-1] + values.shape[-1:])
         logsumexp = blocks.new_empty(blocks.shape[:-1], dtype=torch.float32)
@@ -152,6 +171,8 @@ class _UlyssesStreamedChunk(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.sp == 1:
+            return (*_FlashLikeAttention.backward(ctx, grad_out)[:3], None)
         blocks, keys, values, _, _ = ctx.saved_tensors
         grad_heads = _exchanged(grad_out, ctx.sp, True)
         grad_blocks, grad_keys, grad_values = torch.empty_like(blocks), torch.empty_like(keys), torch.empty_like(values)
@@ -169,14 +190,20 @@ class _PlannedShard(ShardedSequenceMask):
 
     def __init__(self, sp, q_length):
         self.world_size, self.q_length, self.first_token = sp, q_length, 0
+        self.latents = False  # whether the last `gather_keys_values` gathered latents
 
     def check_streamable(self, attention_module):
         pass  # the heads' divisibility is checked with the parallel settings (plan.py: check_parallel)
 
     def gather_keys_values(self, keys, values):
+        self.latents = keys.shape[1] == values.shape[1] == 1  # latent attention: all-gathered (ulysses/masks.py)
+        if self.latents:
+            return _GatherSequence.apply(keys, self.world_size), _GatherSequence.apply(values, self.world_size)
         return _ExchangeHeads.apply(keys, self.world_size, True), _ExchangeHeads.apply(values, self.world_size, True)
 
     def scatter_grad(self, grad):
+        if self.latents:
+            return grad.new_empty(grad.shape[:2] + (grad.shape[2] // self.world_size,) + grad.shape[3:])
         return _exchanged(grad, self.world_size, False)
 
     def query_chunk(self, start, end, position_ids, causal_bias):
