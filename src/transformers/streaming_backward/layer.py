@@ -82,7 +82,7 @@ from .masks import (
 from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
 from .projections import RecordedProjections, recordable_projections
 from .rows import RowBlocks, row_blocks, slice_rows
-from .wrappers import layer_parameters, noting_uncalled_parameters
+from .wrappers import layer_parameters, noting_uncalled_parameters, parameter_grads
 from .zero3_leaves import leaf_gradients_queued_once
 
 
@@ -568,12 +568,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                     "backpropagated; refusing to return incomplete gradients. Please report this with your setup."
                 )
 
-        for total, param in zip(acc, wanted):
-            if total is None and id(param) not in streamed.uncalled_parameters:
-                raise RuntimeError(
-                    f"streaming backward: a parameter of shape {tuple(param.shape)} that requires grad got no gradient "
-                    f"from {type(streamed.layer).__name__}'s recomputation; refusing to return a missing gradient."
-                )
+        param_grads = parameter_grads(acc, wanted, streamed.layer, streamed.uncalled_parameters)
         if needs_x and grad_x is not None:
             parts = [grad_x.pop(block) for block in range(len(grad_x.bounds))]
             if any(part is None for part in parts):  # every chunk's rows get an input gradient, if any does
@@ -587,7 +582,6 @@ class StreamedLayerFunction(torch.autograd.Function):
                     f"streaming backward: {type(streamed.layer).__name__}'s argument {name!r} requires grad and got no "
                     "gradient from the recomputation; refusing to return a missing gradient."
                 )
-        param_grads = iter(None if total is None else total.to(p.dtype) for total, p in zip(acc, wanted))
         all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[3 + row_count :]]
         all_rows = [row_grads[name] if need else None for name, need in needs_rows.items()]
         return (grad_x, None, None, *all_rows, *all_grads)

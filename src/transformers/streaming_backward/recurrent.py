@@ -35,7 +35,7 @@ from .config import streaming_chunk_size
 from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
 from .parts import layer_config, recurrent_mixer, returned
 from .rows import slice_rows
-from .wrappers import layer_parameters, noting_uncalled_parameters
+from .wrappers import layer_parameters, noting_uncalled_parameters, parameter_grads
 
 
 # A packed batch's sequence boundaries, as a recurrent mixer's kernel reads them (Qwen3-Next's Gated DeltaNet passes
@@ -89,7 +89,6 @@ class StatesBesideKeysValues:
     the attention's `update` goes to the chunk's K/V cache (cache.py), the mixer's state calls to its `StateSeam`."""
 
     def __init__(self, keys_values, seam):
-        self.keys_values, self.seam = keys_values, seam
         self.update, self.get_seq_length = keys_values.update, keys_values.get_seq_length
         for name in ("get_conv_state", "get_recurrent_state", "is_recording_past", "update_conv_state",
                      "update_recurrent_state"):
@@ -248,13 +247,7 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                 if any(leaf is not None and grad is None for leaf, grad in zip(leaves, end_grads)):
                     raise missing_state_gradient(call.layer, start)
                 del grads
-        for total, param in zip(acc, wanted):
-            if total is None and id(param) not in call.uncalled_parameters:
-                raise RuntimeError(
-                    f"streaming backward: a parameter of shape {tuple(param.shape)} that requires grad got no gradient "
-                    f"from {type(call.layer).__name__}'s recomputation; refusing to return a missing gradient."
-                )
-        param_grads = iter(None if total is None else total.to(p.dtype) for total, p in zip(acc, wanted))
+        param_grads = parameter_grads(acc, wanted, call.layer, call.uncalled_parameters)
         return (grad_x, None, None, *[next(param_grads) if need else None for need in ctx.needs_input_grad[3:]])
 
 

@@ -102,3 +102,15 @@ def noting_uncalled_parameters(layer, found: set):
         id(param) for container in layer.modules() if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict))
         for entry in container.children() if entry not in called for param in entry.parameters()
     )
+
+
+def parameter_grads(acc, wanted, layer, uncalled: set):
+    """The summed gradients `acc` of the parameters `wanted`, each in its parameter's dtype (None where it got none),
+    after raising for any that got none though its module ran (`uncalled`: noting_uncalled_parameters)."""
+    for total, param in zip(acc, wanted):
+        if total is None and id(param) not in uncalled:
+            raise RuntimeError(
+                f"streaming backward: a parameter of shape {tuple(param.shape)} that requires grad got no gradient "
+                f"from {type(layer).__name__}'s recomputation; refusing to return a missing gradient."
+            )
+    return iter(None if total is None else total.to(param.dtype) for total, param in zip(acc, wanted))
