@@ -74,7 +74,8 @@ def test_bad_mini_sequence_chunk_refused_at_config_construction(model_type):
 def test_model_types_filters():
     assert families.model_types(ulysses=True) == (
         "llama", "qwen2", "mistral", "gemma2", "qwen3", "phi3", "olmo2", "gemma3_text", "olmo3", "smollm3",
-        "ministral3", "gemma4_text", "mixtral", "qwen3_moe", "olmoe", "glm4_moe", "llama4_text",
+        "ministral3", "gemma4_text", "mixtral", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+        "glm4_moe_lite", "llama4_text", "qwen3_vl_text", "qwen3_vl_moe_text",
     )
     assert "gemma3" not in families.streaming_model_types() and "gpt_oss" in families.streaming_model_types()
     assert set(families.model_types(mini_sequence="moe")) == set(tiny_models.MOE_FAMILIES) | {"qwen3_vl_moe_text"}

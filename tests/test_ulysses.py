@@ -50,6 +50,9 @@ CASES = {
     # head size) cannot exchange: transformers-mst does (ulysses/exchange.py). V2 without a query LoRA, V3 with one.
     "deepseek_v2_padding": "family=deepseek_v2,case=padding",
     "glm4_moe_lite_packed": "family=glm4_moe_lite,case=packed",
+    # Qwen3-VL built as its checkpoints load (the composite), text-only batches: multimodal rotary positions from the
+    # 2D position_ids (DeepSpeed's data adapter takes no other shape), packed.
+    "qwen3_vl_packed": "family=qwen3_vl,case=packed",
     # streaming_backward_chunk under Ulysses (SP_RUNS): each rank's query chunks against the gathered keys.
     "stream_window": "family=mistral,case=window",
     "stream_padding": "family=llama,case=padding,batch=2",  # 2 rows, each padded to its own length
@@ -65,6 +68,7 @@ CASES = {
     "stream_mla_padding": "family=deepseek_v3,case=padding,batch=2",
     "stream_mla_left_padding": "family=glm4_moe_lite,case=left_padding,batch=2",
     "stream_mla_packed": "family=deepseek_v2,case=packed",
+    "stream_qwen3_vl_moe_packed": "family=qwen3_vl_moe,case=packed",
 }
 # Gemma-4 text: its third step's ZeRO-3 gradient norm moves 2.7e-5 from one process's with both fields unset and 4.4e-5
 # streamed (measured; its first two within 3e-7): three Adam steps at lr 1e-2 grow its fp32 rounding differences, as in
@@ -82,7 +86,8 @@ SP_RUNS = {
         "stream_gemma3_window": ",stream=5", "stream_moe": ",stream=4,chunk=4", "gemma4_window": "",
         "stream_gemma4_padding": ",stream=4,chunk=4", "llama4_window": ",chunk=4", "stream_llama4_packed": ",stream=5",
         "deepseek_v2_padding": ",chunk=4", "glm4_moe_lite_packed": "", "stream_mla_padding": ",stream=4,chunk=4",
-        "stream_mla_left_padding": ",stream=5", "stream_mla_packed": ",stream=5,offload=1"},
+        "stream_mla_left_padding": ",stream=5", "stream_mla_packed": ",stream=5,offload=1", "qwen3_vl_packed": "",
+        "stream_qwen3_vl_moe_packed": ",stream=5,chunk=4"},
     3: {"window": ",chunk=4", "qwen2_window": "", "packed": "", "padding": ",chunk=4", "qwen3_window": "",
         "gemma3_window": ",chunk=4", "phi3_packed": ",chunk=4", "olmo2_padding": "", "olmo3_window": ",chunk=4",
         "smollm3_packed": "", "ministral3_padding": ",chunk=4", "mixtral_window": "", "qwen3_moe_packed": ",chunk=4",
@@ -93,7 +98,8 @@ SP_RUNS = {
         "stream_gemma3_window": ",stream=4,chunk=4", "stream_moe": ",stream=5", "gemma4_window": ",chunk=4",
         "stream_gemma4_padding": ",stream=5", "llama4_window": "", "stream_llama4_packed": ",stream=4,chunk=4",
         "deepseek_v2_padding": "", "glm4_moe_lite_packed": ",chunk=4", "stream_mla_padding": ",stream=5",
-        "stream_mla_left_padding": ",stream=4,chunk=4", "stream_mla_packed": ",stream=4,offload=1"},
+        "stream_mla_left_padding": ",stream=4,chunk=4", "stream_mla_packed": ",stream=4,offload=1",
+        "qwen3_vl_packed": ",chunk=4", "stream_qwen3_vl_moe_packed": ",stream=4"},
 }
 
 

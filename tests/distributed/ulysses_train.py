@@ -101,9 +101,18 @@ def train(spec, sp, workdir):
             num_key_value_heads=2, head_dim=8, attn_implementation=spec["attn"],
         )
         model = transformers.GemmaForCausalLM(config)
+    elif spec["family"] in ("qwen3_vl", "qwen3_vl_moe"):  # the composite, text-only batches (its text layers' fields)
+        from test_new_families import qwen3_vl
+
+        text = {"attn_implementation": spec["attn"], "mini_sequence_chunk": spec["chunk"],
+                "streaming_backward_chunk": spec["stream"], "router_aux_loss_coef": 0.0}
+        model = qwen3_vl(seed=0, moe=spec["family"] == "qwen3_vl_moe", **text)
     else:
         model = make_model(spec["family"], seed=0, **overrides)
     model.config.use_cache = False
+    # A composite's text model reads its own config's: with it set, its training forward fills a cache, and upstream's
+    # create_causal_mask then does not detect packed sequences (docs/limits.md).
+    model.config.get_text_config().use_cache = False
     if spec["family"] == "gemma4_text":
         # DeepSpeed 0.19.8 reads config.head_dim, which Gemma-4 keeps per layer (transformers raises on the global
         # read unless allowed): it then gets the sliding layers' size, and the full-attention layers' heads are
@@ -144,7 +153,10 @@ def train(spec, sp, workdir):
         disable_tqdm=True,
         **extra,
     )
-    data = samples(spec["case"], spec["seq"], 8 * spec["batch"], model.config.vocab_size)
+    vocab = model.config.get_text_config().vocab_size
+    if spec["family"] in ("qwen3_vl", "qwen3_vl_moe"):
+        vocab -= 4  # text only: none of the image and video tokens (test_new_families.py: the last four ids)
+    data = samples(spec["case"], spec["seq"], 8 * spec["batch"], vocab)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=data, data_collator=transformers.default_data_collator
     )

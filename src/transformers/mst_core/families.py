@@ -214,11 +214,11 @@ FAMILIES = {
     # before the layers, and the vision tower's deepstack features added at the image tokens after the first layers
     # (between layers: a streamed layer sees plain rows). Its tests build the composite around a tiny text config
     # (tests/test_new_families.py).
-    "qwen3_vl_text": Family("Qwen3-VL text", "Qwen3VLTextConfig", "Qwen3VLTextModel", "mlp", _ATTENTION),
+    "qwen3_vl_text": Family("Qwen3-VL text", "Qwen3VLTextConfig", "Qwen3VLTextModel", "mlp", _ATTENTION, ulysses=True),
     "qwen3_vl": Family("Qwen3-VL", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "text_config",
                        no_streaming="on `text_config`: the text layers, as Qwen3-VL text (images and videos included)"),
     # Qwen3-VL-MoE (30B-A3B, 235B-A22B): the same composite around Qwen3-MoE's layers (routed experts, the aux loss).
-    "qwen3_vl_moe_text": Family("Qwen3-VL-MoE text", "Qwen3VLMoeTextConfig", "Qwen3VLMoeTextModel", "moe", _ATTENTION),
+    "qwen3_vl_moe_text": Family("Qwen3-VL-MoE text", "Qwen3VLMoeTextConfig", "Qwen3VLMoeTextModel", "moe", _ATTENTION, ulysses=True),
     "qwen3_vl_moe": Family("Qwen3-VL-MoE", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", "text_config",
                            no_streaming="on `text_config`: the text layers, as Qwen3-VL-MoE text (images and videos "
                                         "included)"),
