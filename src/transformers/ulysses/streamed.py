@@ -7,7 +7,9 @@ queries go through the all-to-all (each rank gets the chunk's rows of every shar
 rows, r L + [start, end)); each block attends to the keys before its end with the rows of the whole sequence's mask,
 which `UlyssesMask` rebuilds exactly as for the unsplit sequence (masks.py); the blocks' outputs go back through the
 second all-to-all. The core attention is DeepSpeed's (upstream's SDPA), called once per block. So a layer's recompute
-holds one chunk's activations per rank, and the K/V of the whole sequence for 1/sp of the heads.
+holds one chunk's activations per rank, and the K/V of the whole sequence for 1/sp of the heads. Multi-head Latent
+Attention caches latents with no heads to split: the cache hands every rank the whole sequence's (masks.py), and each
+rank's chunk attends its own rows with every head, no all-to-all.
 """
 
 from __future__ import annotations
