@@ -10,7 +10,7 @@ Forward (no graph): chunk by chunk, the recording cache writes the chunk's K/V (
 repeat_kv) into full-sequence buffers and returns K/V[kv_start:kv_end]. Only the layer input is saved for backward
 (as checkpointing saves it).
 
-Backward (one autograd Function). First every chunk's K/V again, without graph (the layer stopped at the cache: the
+Backward (one autograd Function; its steps in backward.py). First every chunk's K/V again, without graph (the layer stopped at the cache: the
 K/V pass). It skips q_proj where nothing in it draws random numbers (cache.queries_not_computed) and records the
 outputs of the projections before the cache (k_proj, v_proj, a fused qkv_proj: projections.py). Then the chunks from
 the last to the first. Chunk i is recomputed once, with graph, with a cache (cache.JoinedCache) that returns the
@@ -45,15 +45,12 @@ import torch
 from ..mst_core.chunks import inside_streamed_chunk, one_streamed_chunk, policy_device_type
 from ..mst_core.families import streaming_model_types, streaming_refusal
 from ..mst_core.fields import STREAMING_FIELD
-from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
-from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
+from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_rng_state
 from ..mst_core.router_logits import positions, token_major
 from ..mst_core.sharded_sequence import ShardedSequenceMask
-from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph, saved_once
+from ..mst_core.wrappers import refuse_create_graph, saved_once
 from .cache import (
-    BackwardCache,
     FixedCache,
-    JoinedCache,
     RecordingCache,
     StopAfterKeysValues,
     discardable_query_projection,
@@ -66,6 +63,7 @@ from .checks import (
     check_captured_outputs,
 )
 from . import parts, recurrent, router
+from .backward import LayerBackward
 from .config import streaming_chunk_size
 from .masks import (
     FLASH_VARLEN_KWARGS,
@@ -79,10 +77,10 @@ from .masks import (
     sliding_window,
     splits_on_cpu,
 )
-from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
+from .offload import SavedInput, input_storage, saved_tensors_offloaded
 from .projections import RecordedProjections, recordable_projections
-from .rows import RowBlocks, row_blocks, slice_rows
-from .wrappers import layer_parameters, noting_uncalled_parameters, parameter_grads
+from .rows import slice_rows
+from .wrappers import layer_parameters, noting_uncalled_parameters
 from .zero3_leaves import leaf_gradients_queued_once
 
 
@@ -391,200 +389,7 @@ class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_router_logits=None):
         refuse_create_graph("streaming backward", STREAMING_FIELD)
-        x = ctx.saved_input if ctx.saved_input is not None else KeptInput(ctx.saved_tensors[0])
-        streamed, params = ctx.streamed, ctx.params
-        needs_x = ctx.needs_input_grad[0]
-        row_count = len(streamed.row_inputs)
-        needs_rows = dict(zip(streamed.row_inputs, ctx.needs_input_grad[3 : 3 + row_count]))
-        row_grads = {name: None for name, need in needs_rows.items() if need}  # full [B, S, ...] sums
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3 + row_count :]) if need]
-        acc = [None] * len(wanted)
-        device = grad_out.device
-        # Each parameter gradient is added into `acc` as autograd computes it (the calls below get zeros of no storage).
-        with restore_autocast_state(ctx.autocast_state), summed_as_computed(acc, wanted), streamed.views_of_one_mask():
-            buffers = [None, None, streamed.seq_len]
-            with torch.no_grad():
-                streamed.keys_values_only(x.rows, buffers)
-            keys, values = buffers[0], buffers[1]
-            # dK/dV summed over chunks (in fp32 for half-precision K/V), one tensor per row block: a block is final,
-            # and freed, once its first chunk has had its turn below (later chunks only add to rows before them).
-            sum_dtype = torch.float32 if keys.dtype in (torch.float16, torch.bfloat16) else keys.dtype
-            blocks = row_blocks(streamed.chunks)
-            if streamed.sharded is not None:
-                # Every chunk reads the whole sequence's K/V for this rank's heads: their dK/dV are summed there, in
-                # one block, and come back to this shard's rows once every chunk's output is done (below).
-                with torch.no_grad():
-                    keys, values = streamed.sharded.gather_keys_values(keys, values)
-                buffers[0] = buffers[1] = None  # this shard's K/V: its chunks' own are recomputed below
-                blocks = [[0, len(streamed.chunks)]]
-                whole = [(0, keys.shape[2])]
-                grad_keys = RowBlocks(whole, [[0, 1]], keys, dim=2, dtype=sum_dtype)
-                grad_values = RowBlocks(whole, [[0, 1]], values, dim=2, dtype=sum_dtype)
-            else:
-                grad_keys = RowBlocks(streamed.chunks, blocks, keys, dim=2, dtype=sum_dtype)
-                grad_values = RowBlocks(streamed.chunks, blocks, values, dim=2, dtype=sum_dtype)
-            block_starting_at = {first: block for block, (first, _) in enumerate(blocks)}
-            grad_x = None
-            checked = []
-            # A mixer beside the attention (Falcon-H1): the gradients of each chunk's start states, summed over its
-            # passes (a blind chunk's output, then its turn), go to the chunk before as those of its end states.
-            start_grads, end_grads = {}, {}
-
-            def add_input_grads(grads, start, end):
-                """Add the input gradients of rows [start, end) (grads: the layer input's if needs_x, the row inputs'
-                in `row_grads`, *the parameters' zeros)."""
-                nonlocal grad_x
-                for offset, name in enumerate(row_grads, start=int(needs_x)):
-                    if grads[offset] is not None:
-                        if row_grads[name] is None:
-                            row_grads[name] = torch.zeros_like(streamed.row_inputs[name])
-                        row_grads[name][:, start:end] += grads[offset]
-                if needs_x and grads[0] is not None:
-                    if grad_x is None:  # grows block by block as dK/dV blocks are freed
-                        grad_x = RowBlocks(streamed.chunks, blocks, grad_out, dim=1, dtype=grads[0].dtype)
-                    grad_x.add(grads[0], start, end)
-
-            def add_start_grads(index, seam, grads):
-                grads = iter(grads)
-                got = [None if leaf is None else next(grads) for leaf in (seam.conv_state, seam.recurrent_state)]
-                before = start_grads.get(index, [None, None])
-                start_grads[index] = [b if g is None else g if b is None else b + g for g, b in zip(got, before)]
-
-            def chunk_backward(index, cache, outputs=True, own_keys_values=True):
-                """Recompute chunk `index` with graph, its attention reading the K/V buffers through `cache`.
-                `outputs`: backpropagate dOut of its rows (a JoinedCache routes the K/V gradients itself; a
-                BackwardCache's leaves' gradients are added into dK/dV here); `own_keys_values` (a BackwardCache
-                that stopped at the cache): backpropagate the (final) dK/dV of its own rows through the K/V the layer
-                computed for them. A mixer beside the attention starts from its start states as leaves; at the
-                chunk's turn (not a blind chunk's early output pass) its end states take their gradients too."""
-                start, end = streamed.chunks[index]
-                seam, state_leaves, end_targets = None, [], []
-                if streamed.states_mixer is not None:
-                    seam = recurrent.StateSeam(
-                        *(None if s is None else s.detach().requires_grad_() for s in streamed.starts[index])
-                    )
-                    state_leaves = [s for s in (seam.conv_state, seam.recurrent_state) if s is not None]
-                kv_start, kv_end = streamed.key_ranges[index]
-                # Its own K/V alone (no output): the state of the forward pass that wrote them.
-                rng = streamed.chunk_rng[index] if outputs else streamed.keys_values_rng(index)
-                # Half-precision linear weights: each chunk's gradient is one fp32-output GEMM into `acc` where the
-                # backend has one (CUDA), not a half product added into the fp32 sum (mst_core/grads.py).
-                linear_sums = linear_weight_grads_summed(acc, wanted, grad_out)
-                with restore_rng_state(rng, device), torch.enable_grad():
-                    x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
-                    rows = {name: value[:, start:end].detach().requires_grad_(needs_rows[name])
-                            for name, value in streamed.row_inputs.items()}
-                    # The projections before the cache return what the K/V pass computed (projections.py), where
-                    # this pass replays that pass's RNG state: not a blind chunk's output, drawn in a pass of its own.
-                    replayed = contextlib.nullcontext()
-                    if rng is streamed.keys_values_rng(index):
-                        replayed = streamed.recorded_projections.replaying(index, linear_sums)
-                    with linear_sums or contextlib.nullcontext(), replayed:
-                        outs = streamed.call(x_chunk, index, cache, rows, seam) or ()
-                    inputs = [*([x_chunk] if needs_x else []), *(rows[name] for name in row_grads), *wanted]
-                    if seam is not None and (own_keys_values or index not in streamed.blind):
-                        end_targets = [(state, grad) for state, grad in
-                                       zip(seam.end_states(), end_grads.pop(index, (None, None))) if grad is not None]
-                    if not checked:
-                        given = [x_chunk, *rows.values(), *(cache.leaves or []), *state_leaves, *params]
-                        for tensor in [*outs, cache.keys, cache.values]:
-                            check_graph_inputs(tensor, given, "streaming backward")
-                        checked.append(True)
-                    if outputs:
-                        leaves = cache.leaves
-                        # The chunk's output, and its router logits (router.py) with their rows of that gradient.
-                        grad_outs = [grad_out[:, start:end]]
-                        if len(outs) > 1:
-                            logit_rows = positions(grad_router_logits.contiguous(), (streamed.batch,))[:, start:end]
-                            grad_outs.append(logit_rows.reshape(outs[1].shape))
-                        grads = torch.autograd.grad(
-                            [*outs, *(state for state, _ in end_targets)], [*leaves, *inputs, *state_leaves],
-                            [*grad_outs, *(grad for _, grad in end_targets)], allow_unused=True,
-                        )
-                        del outs, grad_outs
-                        for total, part in zip((grad_keys, grad_values), grads[: len(leaves)]):
-                            if part is not None:
-                                total.add(part, kv_start, kv_end)
-                        add_input_grads(grads[len(leaves) : len(leaves) + len(inputs)], start, end)
-                        if seam is not None:
-                            add_start_grads(index, seam, grads[len(leaves) + len(inputs) :])
-                        del grads
-                    if own_keys_values:
-                        pairs = [(tensor, total.rows(start, end, tensor.dtype))
-                                 for tensor, total in ((cache.keys, grad_keys), (cache.values, grad_values))
-                                 if tensor.requires_grad] + end_targets
-                        if pairs and (inputs or state_leaves):
-                            grads = torch.autograd.grad(
-                                [t for t, _ in pairs], [*inputs, *state_leaves], [g for _, g in pairs],
-                                allow_unused=True,
-                            )
-                            add_input_grads(grads[: len(inputs)], start, end)
-                            if seam is not None:
-                                add_start_grads(index, seam, grads[len(inputs) :])
-                    del cache, seam, end_targets
-
-            def release_final_rows(index):
-                if index in block_starting_at:
-                    grad_keys.pop(block_starting_at[index])
-                    grad_values.pop(block_starting_at[index])
-
-            def leaves_cache(index, stop=False):
-                start, end = streamed.chunks[index]
-                return BackwardCache(keys, values, start, end, *streamed.key_ranges[index], stop=stop)
-
-            # Chunks holding a blind query row (they read keys after their own rows): their outputs first, every key
-            # of their range a leaf.
-            for index in sorted(streamed.blind):
-                chunk_backward(index, leaves_cache(index), own_keys_values=False)
-            if streamed.sharded is not None:  # the whole sequence's dK/dV -> this shard's rows, one at a time
-                keys = values = None  # the gathered K/V: below, each chunk's own K/V alone (the layer stops at the cache)
-                grad_keys, grad_values = (
-                    RowBlocks.holding(streamed.chunks, blocks, streamed.sharded.scatter_grad(total.pop_or_zeros(0)), dim=2)
-                    for total in (grad_keys, grad_values)
-                )
-            # Then every chunk from the last: chunk i adds only to rows before its end, so its own rows' dK/dV are
-            # final at its turn, and one backward takes its output and its own K/V. A blind chunk's own K/V: the
-            # layer stopped at the cache.
-            for index in reversed(range(len(streamed.chunks))):
-                start, end = streamed.chunks[index]
-                if index in streamed.blind:
-                    chunk_backward(index, leaves_cache(index, stop=True), outputs=False)
-                else:
-                    kv_start = streamed.key_ranges[index][0]
-                    cache = JoinedCache(keys, values, start, end, kv_start, (grad_keys, grad_values))
-                    chunk_backward(index, cache, own_keys_values=False)
-                release_final_rows(index)
-                streamed.recorded_projections.release(index)
-                if streamed.states_mixer is not None and index > 0:  # the chunk before ends where this one starts
-                    grads = start_grads.pop(index, [None, None])
-                    if any(s is not None and g is None for s, g in zip(streamed.starts[index], grads)):
-                        raise recurrent.missing_state_gradient(streamed.layer, start)
-                    end_grads[index - 1] = grads
-                    streamed.starts[index] = None  # read once more by no pass
-            keys = values = None  # freed here (`leaves_cache` reads them: a `del` would leave its names unbound)
-            if grad_keys.parts or grad_values.parts:  # rows added to after their chunks' turn: a lost gradient
-                raise RuntimeError(
-                    f"streaming backward: K/V gradients of row blocks {sorted(grad_keys.parts)} were never "
-                    "backpropagated; refusing to return incomplete gradients. Please report this with your setup."
-                )
-
-        param_grads = parameter_grads(acc, wanted, streamed.layer, streamed.uncalled_parameters)
-        if needs_x and grad_x is not None:
-            parts = [grad_x.pop(block) for block in range(len(grad_x.bounds))]
-            if any(part is None for part in parts):  # every chunk's rows get an input gradient, if any does
-                raise RuntimeError("streaming backward: the layer input got a gradient for some rows only.")
-            grad_x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-            del parts
-            grad_x = grad_x.to(ctx.saved_input.dtype if ctx.saved_input is not None else grad_x.dtype)
-        for name, total in row_grads.items():
-            if total is None:
-                raise RuntimeError(
-                    f"streaming backward: {type(streamed.layer).__name__}'s argument {name!r} requires grad and got no "
-                    "gradient from the recomputation; refusing to return a missing gradient."
-                )
-        all_grads = [next(param_grads) if need else None for need in ctx.needs_input_grad[3 + row_count :]]
-        all_rows = [row_grads[name] if need else None for name, need in needs_rows.items()]
-        return (grad_x, None, None, *all_rows, *all_grads)
+        return LayerBackward(ctx, grad_out, grad_router_logits).run()
 
 
 def _forward_with_checkpoints(streamed, x):
