@@ -5,8 +5,9 @@ so, runs `decoder_layer_forward` instead: the layer's own forward per query chun
 backward.py), its keys/values met at the `Cache` seam (cache.py), each chunk's mask and key range from masks.py,
 row-wise gradients in row blocks (rows.py), the input kept on the device or offloaded (offload.py), the wrappers'
 rules (wrappers.py), what a streamed layer refuses (checks.py), its chunk policy (config.py) and, under
-torch.compile, the call as one operator of the graph (compiled.py). A recurrent layer (Mamba2's) streams through its conv and recurrent states instead
-(recurrent.py). The model types it streams are the registry's (mst_core/families.py).
+torch.compile, the call as one operator of the graph (compiled.py). A recurrent layer (Mamba2's) streams through its
+conv and recurrent states instead (recurrent.py). The model types it streams are the registry's
+(mst_core/families.py).
 """
 
 from ..mst_core.families import FAMILIES
@@ -28,8 +29,7 @@ def _config_for_layers(model) -> None:
     """At model construction, for a family with recurrent layers that stream (the registry's `streaming_recurrent`):
     the model's config on each decoder layer that keeps none (Bamba's and Granite-4.0-H's Mamba layers), for
     `parts.layer_config`, and a mark on each module inside a decoder layer (`parts.inside_a_layer`); other models are
-    left as upstream builds them. An inner model (a composite's text model)
-    runs this first: its config stays."""
+    left as upstream builds them. An inner model (a composite's text model) runs this first: its config stays."""
     from ..modeling_layers import GradientCheckpointingLayer
     from .parts import layer_config
 

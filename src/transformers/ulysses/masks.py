@@ -59,7 +59,7 @@ class UlyssesMask(ShardedSequenceMask):
         self.world_size = uattn.world_size
         self.first_token = uattn.sp_rank * q_length  # ranks hold contiguous shards
         self._full_padding = None
-        self._latents_gathered = False  # whether the last `gather_keys_values` gathered latents
+        self.latents_gathered = False  # whether the last `gather_keys_values` gathered latents
         self._positions = None  # the whole sequence's position_ids, gathered once (streamed layers)
         self._built = {}
 
@@ -157,8 +157,8 @@ class UlyssesMask(ShardedSequenceMask):
 
     def gather_keys_values(self, keys, values):
         group = self.uattn.process_group
-        self._latents_gathered = keys.shape[1] == values.shape[1] == 1  # for scatter_grad, which follows
-        if self._latents_gathered:
+        self.latents_gathered = keys.shape[1] == values.shape[1] == 1  # for scatter_grad, which follows
+        if self.latents_gathered:
             # Multi-head Latent Attention (DeepSeek-V2/V3, GLM-4.7-Flash) caches one latent "head" that every query
             # head reads after upstream expands it (`kv_b_proj`), so there are no heads to split: every rank takes
             # the whole sequence's latents (check_streamable lets no other single-head K/V through when sp > 1),
@@ -167,7 +167,7 @@ class UlyssesMask(ShardedSequenceMask):
         return heads_to_sequence(keys, self.world_size, group), heads_to_sequence(values, self.world_size, group)
 
     def scatter_grad(self, grad):
-        if self._latents_gathered:  # this layer's latents (above)
+        if self.latents_gathered:  # this layer's latents (above)
             return scatter_sequence_grad(grad, self.uattn.process_group)
         return sequence_to_heads(grad, self.world_size, self.uattn.process_group)
 

@@ -64,7 +64,10 @@ class StreamedQueryChunk:
             out, _ = core(module, queries, keys[:, :, :kv_end], values[:, :, :kv_end], block_mask, *args, **kwargs)
             return out
 
-        if keys.shape[1] == h:  # every head's keys here
+        # Every head's keys (expanded from the whole sequence's latents): exchanged ones would be H_kv/sp < H heads.
+        # Read from the shapes, not from the mask's `latents_gathered`: a checkpointed chunk's recompute (ZeRO-3)
+        # may run after another layer's gather.
+        if keys.shape[1] == h:
             return block(query, self.mask.first_token + self.start, self.mask.first_token + self.end), None
         blocks = heads_to_sequence(query, sp, group)  # [B, H/sp, sp C, D]: rank i's rows at [i C, (i + 1) C)
         outputs = [
