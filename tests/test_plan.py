@@ -593,10 +593,18 @@ PUBLISHED_BILLIONS = {"qwen3-14b": 14.8, "qwen3-32b": 32.8, "gemma3-12b": 11.8, 
                       "deepseek-v2-lite": 15.7}
 
 
-@pytest.mark.parametrize("name", list(PUBLISHED_BILLIONS))
+# Model cards that give whole billions: Qwen3.5-27B (its text stack: 26.9B; the card's 27B has the vision tower too),
+# Granite-4.0-H-Small (32B), Nemotron-H-8B (8B).
+PUBLISHED_WHOLE_BILLIONS = {"qwen3.5-27b": 27, "granite-4.0-h-small": 32, "nemotron-h-8b": 8}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_BILLIONS) + list(PUBLISHED_WHOLE_BILLIONS))
 def test_new_builtin_shapes_have_the_published_sizes(name):
     planner = plan.Planner(plan.load_config(name), optimizer="none")
-    assert round(planner.num_params / 1e9, 1) == PUBLISHED_BILLIONS[name], planner.num_params
+    if name in PUBLISHED_WHOLE_BILLIONS:
+        assert round(planner.num_params / 1e9) == PUBLISHED_WHOLE_BILLIONS[name], planner.num_params
+    else:
+        assert round(planner.num_params / 1e9, 1) == PUBLISHED_BILLIONS[name], planner.num_params
 
 
 def _tiny_gpt_oss():
@@ -806,3 +814,56 @@ def test_shallow_stack_falls_back_to_every_layer():
                        num_kv_shared_layers=shared, use_double_wide_mlp=True)
         assert plan.Planner(config).layer_period is None
     assert plan.Planner(_deep("llama", num_hidden_layers=4)).layer_period is None
+
+
+# --- Gated DeltaNet layers: flash-linear-attention's chunked kernel stood in for ------------------------------------
+
+def test_gated_deltanet_layers_plan_the_fla_kernel_not_the_reference_scan(monkeypatch):
+    """On a GPU with flash-linear-attention installed, upstream's Gated DeltaNet layers run fla's chunked kernel: every
+    method's planned step calls its stand-in (standins.py) and never upstream's reference scan (a Python loop over
+    every 64 tokens: a minute per fake step of Qwen3.5-35B-A3B at 8K), and the scan is back in place after the step."""
+    import sys
+
+    config = _deep("qwen3_5_text", **SHALLOW_SIZES)
+    module = sys.modules[transformers.Qwen3_5ForCausalLM.__module__]
+
+    def reference_scan(*args, **kwargs):
+        raise AssertionError("the planner ran upstream's reference Gated DeltaNet scan")
+
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", reference_scan)
+    calls = []
+    standin = standins.chunk_gated_delta_rule_like
+    monkeypatch.setattr(standins, "chunk_gated_delta_rule_like",
+                        lambda *args, **kwargs: calls.append(args[0].shape[1]) or standin(*args, **kwargs))
+    planner = plan.Planner(config, "adamw-bf16")
+    for method in plan.METHODS:
+        calls.clear()
+        assert planner.step_peak_bytes(method, 256) > 0
+        assert calls and sum(calls) >= 256, (method, calls)  # every token through the kernel at least once
+        assert module.torch_chunk_gated_delta_rule is reference_scan
+
+
+@pytest.mark.parametrize("value_heads", [2, 4], ids=["one_value_head_per_key_head", "grouped_values"])
+def test_gated_deltanet_standin_allocates_what_fla_keeps_and_recomputes(value_heads):
+    """The stand-in's gradients have their inputs' shapes and dtypes, the start state's included (the streamed layer
+    carries it between chunks), and its backward holds every 64-token chunk's state and its gradient at once
+    (fla recomputes `h`, [B, chunks, heads, K, V], and writes `dh` beside it): the memory that grows with the length
+    of an unstreamed Gated DeltaNet layer's backward on a GPU."""
+    batch, length, heads, k_dim, v_dim = 1, 200, 2, 128, 128  # 4 chunks, the last one short
+    q, k = (torch.randn(batch, length, heads, k_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(batch, length, value_heads, v_dim, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(batch, length, value_heads, requires_grad=True)
+    beta = torch.rand(batch, length, value_heads, dtype=torch.bfloat16, requires_grad=True)
+    state = torch.zeros(batch, value_heads, k_dim, v_dim, requires_grad=True)
+    out, final = standins.chunk_gated_delta_rule_like(q, k, v, g=g, beta=beta, initial_state=state,
+                                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert out.shape == v.shape and out.dtype == v.dtype and final.shape == state.shape
+    with LiveTensorTracker(keep_largest=3) as tracker:
+        torch.autograd.backward((out, final), (torch.ones_like(out), torch.ones_like(final)))
+    # With K = V = 128 a chunk's state outweighs its 64 tokens' rows: the two largest allocations are h and dh.
+    chunk_states = (batch, 4, value_heads, k_dim, v_dim)
+    assert [tuple(shape) for _, shape, _ in tracker.largest_shapes[:2]] == [chunk_states] * 2, tracker.largest_shapes
+    for leaf in (q, k, v, g, beta, state):
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype
+    _, no_state = standins.chunk_gated_delta_rule_like(q, k, v, g=g, beta=beta)
+    assert no_state is None

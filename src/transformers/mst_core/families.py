@@ -443,6 +443,29 @@ CHECKPOINTS = {
                                                  linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
                                                  num_experts_per_tok=8, moe_intermediate_size=512,
                                                  shared_expert_intermediate_size=512)),
+    # Qwen/Qwen3.5-27B's text stack (its config.json's text_config): 64 layers, 3 Gated DeltaNet (16 key and 48 value
+    # heads of 128) to 1 gated attention layer (24 query and 4 KV heads of 256), dense MLPs of 17408, untied head.
+    "qwen3.5-27b": ("qwen3_5_text", dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                                         num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                                         head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+                                         linear_num_key_heads=16, linear_num_value_heads=48,
+                                         linear_conv_kernel_dim=4, tie_word_embeddings=False)),
+    # ibm-granite/granite-4.0-h-small: 40 layers, Mamba2 mixers (128 heads of 64, state 128, one group) but attention on
+    # layers 5, 15, 25, 35 (32 query and 8 KV heads, no positions), every layer a MoE block of 72 experts of 768, 10 per
+    # token, and a shared MLP of 1536; tied head. muP multipliers left at 1: they change no tensor's size.
+    "granite-4.0-h-small": ("granitemoehybrid", dict(
+        vocab_size=100352, hidden_size=4096, intermediate_size=768, shared_intermediate_size=1536,
+        num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, num_local_experts=72,
+        num_experts_per_tok=10, mamba_n_heads=128, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+        mamba_d_conv=4, mamba_expand=2, position_embedding_type="nope", tie_word_embeddings=True,
+        layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(40)])),
+    # nvidia/Nemotron-H-8B-Base-8K: 52 layers of one kind each, 24 Mamba2 (128 heads of 64, state 128, 8 groups),
+    # 4 attention (32 query and 8 KV heads of 128), 24 squared-ReLU MLPs of 21504; untied head.
+    "nemotron-h-8b": ("nemotron_h", dict(vocab_size=131072, hidden_size=4096, intermediate_size=21504,
+                                         hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+                                         num_hidden_layers=52, num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=128, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128,
+                                         n_groups=8, conv_kernel=4, expand=2, tie_word_embeddings=False)),
     # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token; no sliding window.
     "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,

@@ -47,7 +47,7 @@ from ..mst_core.model_checks import MINI_SEQUENCE_MODEL_TYPES, TEXT_CONFIG_LM_HE
 from . import layer_phases
 from .assumptions import ASSUMPTIONS, MULTI_GPU_ASSUMPTIONS
 from .search import ForkedCall, search_in_processes, search_max_fitting
-from .standins import StepHooks, attention_name, offloaded_checkpoint
+from .standins import StepHooks, attention_name, gated_delta_rule_like, offloaded_checkpoint
 
 
 GIB = 2**30
@@ -344,7 +344,7 @@ class Planner:
         with FakeTensorMode() if fake else contextlib.nullcontext(), chunk_policy_for(self.policy_device):
             model, hooks = self._build(METHODS[method], depth)
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
-            with LiveTensorTracker(keep_largest=0) as tracker:
+            with gated_delta_rule_like(model), LiveTensorTracker(keep_largest=0) as tracker:
                 recorder = None if depth is None else layer_phases.PhaseRecorder(tracker, hooks, *_decoder_stack(model))
                 model(input_ids=ids, labels=ids).loss.backward()
                 phases = None if recorder is None else recorder.finish()

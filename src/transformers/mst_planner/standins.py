@@ -6,9 +6,12 @@ built), the attribute streaming_backward/masks.py reads, the checkpointing funct
 (streaming_backward/offload.py) and, for streamed layers under Ulysses, a ShardedSequenceMask as the layers' mask
 (mst_core/sharded_sequence.py)."""
 
+import contextlib
 import functools
 import math
+import sys
 import weakref
+from unittest import mock
 
 import torch
 from transformers import AttentionInterface
@@ -58,6 +61,90 @@ def _flash_like_attention(module, query, key, value, attention_mask, s_aux=None,
 setattr(_flash_like_attention, streamed_masks.BOTTOM_RIGHT_CAUSAL, True)
 
 
+
+
+class _ChunkGatedDeltaRuleLike(torch.autograd.Function):
+    """Memory stand-in for flash-linear-attention's chunked Gated DeltaNet (`fla/ops/gated_delta_rule/chunk.py`:
+    `ChunkGatedDeltaRuleFunction`, its Triton kernels; read at fla commit bc3b101, 2026-08-22), which upstream's Gated
+    DeltaNet layers call on a GPU where fla is installed, for every chunk of 64 tokens at once: its forward keeps the
+    normalized q/k, the gates' cumulative sums and the solved intra-chunk matrices `A`; its backward recomputes every
+    chunk's start state `h` ([B, chunks, heads, K, V], growing with the sequence) and writes their gradients `dh`
+    beside them. Allocated here in fla's order and dtypes (Hopper's tiling: one partial gate gradient per 128 key
+    columns); the values are meaningless. Upstream's reference scan, which the CPU runs, allocates otherwise and
+    loops in Python over every 64 tokens (minutes per fake step)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, g, beta, initial_state, output_final_state, l2norm):
+        q, k, v, g, beta = (t.contiguous() for t in (query, key, value, g, beta))  # fla's input_guard
+        batch, length, _, k_dim = k.shape
+        v_heads, v_dim = v.shape[2:]
+        chunks = math.ceil(length / 64)
+        q_rstd = k_rstd = None
+        if l2norm:
+            q, q_rstd = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+            k, k_rstd = torch.empty_like(k), k.new_empty(k.shape[:-1], dtype=torch.float32)
+        g = torch.empty_like(g, dtype=torch.float32)  # the gates' cumulative sums within each chunk
+        solved = k.new_empty(batch, length, v_heads, 64)  # A
+        w, u = k.new_empty(batch, length, v_heads, k_dim), torch.empty_like(v)
+        states, v_new = k.new_empty(batch, chunks, v_heads, k_dim, v_dim), torch.empty_like(u)  # h
+        final = k.new_empty(batch, v_heads, k_dim, v_dim, dtype=torch.float32) if output_final_state else None
+        out = torch.empty_like(v)
+        del w, u, states, v_new
+        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g, beta, solved, initial_state)
+        return out, final
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_final):
+        q, q_rstd, k, k_rstd, v, g, beta, solved, initial_state = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        batch, length, heads, k_dim = k.shape
+        v_heads, v_dim = v.shape[2:]
+        chunks = math.ceil(length / 64)
+        w, u = k.new_empty(batch, length, v_heads, k_dim), torch.empty_like(v)  # recomputed
+        states, v_new = k.new_empty(batch, chunks, v_heads, k_dim, v_dim), torch.empty_like(u)  # recomputed
+        dv = torch.empty_like(grad_out)
+        dstates = q.new_empty(batch, chunks, v_heads, k_dim, v_dim)
+        dinitial = None if initial_state is None else torch.empty_like(initial_state, dtype=torch.float32)
+        dv = torch.empty_like(dv)
+        dq, dk = q.new_empty(batch, length, v_heads, k_dim), k.new_empty(batch, length, v_heads, k_dim)
+        dg = g.new_empty(math.ceil(k_dim / 128), *g.shape)
+        dw = torch.empty_like(w)
+        if heads != v_heads:  # grouped values: summed over each key head's value heads
+            dq = q.new_empty(q.shape)
+            dk = k.new_empty(k.shape)
+        dg = g.new_empty(g.shape)
+        dk2 = k.new_empty(batch, length, v_heads, k_dim)  # the intra-chunk matrices' backward
+        dv_intra, db, dg2 = torch.empty_like(v), torch.empty_like(beta), torch.empty_like(g)
+        if heads != v_heads:
+            dk2 = k.new_empty(k.shape)
+        dv = dv_intra
+        dg = torch.empty_like(dg)  # the cumulative sums' backward
+        del w, u, states, v_new, dstates, dw, dk2, dg2, dv_intra
+        if q_rstd is not None:  # the l2 norms' backward
+            dq, dk = torch.empty_like(q), torch.empty_like(k)
+        return dq, dk, dv, dg, db, dinitial, None, None
+
+
+def chunk_gated_delta_rule_like(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """`_ChunkGatedDeltaRuleLike` called as upstream calls `torch_chunk_gated_delta_rule` (its modeling modules'
+    global, which `gated_delta_rule_like` replaces while the planner runs a step)."""
+    return _ChunkGatedDeltaRuleLike.apply(query, key, value, g, beta, initial_state, output_final_state,
+                                          use_qk_l2norm_in_kernel)
+
+
+@contextlib.contextmanager
+def gated_delta_rule_like(model):
+    """`model`'s Gated DeltaNet layers call `chunk_gated_delta_rule_like` inside the block: their modeling modules
+    call the scan by its global name `torch_chunk_gated_delta_rule` (upstream resolves it to fla's kernel where fla
+    is installed, when the module is imported)."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            if hasattr(module, "torch_chunk_gated_delta_rule"):
+                stack.enter_context(mock.patch.object(module, "torch_chunk_gated_delta_rule",
+                                                      chunk_gated_delta_rule_like))
+        yield
 
 
 def _send_buffer(tensor):
