@@ -816,31 +816,40 @@ def test_shallow_stack_falls_back_to_every_layer():
     assert plan.Planner(_deep("llama", num_hidden_layers=4)).layer_period is None
 
 
-# --- Gated DeltaNet layers: flash-linear-attention's chunked kernel stood in for ------------------------------------
+# --- Gated DeltaNet and Mamba2 layers: flash-linear-attention's and mamba_ssm's chunked kernels stood in for --------
 
-def test_gated_deltanet_layers_plan_the_fla_kernel_not_the_reference_scan(monkeypatch):
-    """On a GPU with flash-linear-attention installed, upstream's Gated DeltaNet layers run fla's chunked kernel: every
-    method's planned step calls its stand-in (standins.py) and never upstream's reference scan (a Python loop over
-    every 64 tokens: a minute per fake step of Qwen3.5-35B-A3B at 8K), and the scan is back in place after the step."""
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid", "falcon_h1", "nemotron_h"])
+def test_recurrent_layers_plan_the_gpu_kernels_not_the_torch_paths(family, monkeypatch):
+    """On a GPU with flash-linear-attention and mamba_ssm installed, upstream's Gated DeltaNet and Mamba2 layers run
+    their chunked kernels: every method's planned step calls the kernels' stand-ins (standins.py) and never upstream's
+    torch paths (the Gated DeltaNet scan loops in Python over every 64 tokens: a minute per fake step of
+    Qwen3.5-35B-A3B at 8K), and the torch paths are back in place after the step. Falcon-H1's mixers gate by z
+    without a norm; Granite-4.0-H's and Nemotron-H's with one."""
     import sys
 
-    config = _deep("qwen3_5_text", **SHALLOW_SIZES)
-    module = sys.modules[transformers.Qwen3_5ForCausalLM.__module__]
+    config = _deep(family, **SHALLOW_SIZES)
+    module = sys.modules[getattr(transformers, families.FAMILIES[family].model_class).__module__]
+    names = [name for name in standins.KERNEL_STANDINS if hasattr(module, name)]
+    assert names, family
 
-    def reference_scan(*args, **kwargs):
-        raise AssertionError("the planner ran upstream's reference Gated DeltaNet scan")
+    def torch_path(*args, **kwargs):
+        raise AssertionError("the planner ran upstream's torch path of a recurrent kernel")
 
-    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", reference_scan)
     calls = []
-    standin = standins.chunk_gated_delta_rule_like
-    monkeypatch.setattr(standins, "chunk_gated_delta_rule_like",
-                        lambda *args, **kwargs: calls.append(args[0].shape[1]) or standin(*args, **kwargs))
+    for name in names:
+        monkeypatch.setattr(module, name, torch_path)
+        standin = getattr(standins, standins.KERNEL_STANDINS[name])
+        monkeypatch.setattr(standins, standins.KERNEL_STANDINS[name],
+                            lambda *args, standin=standin, name=name, **kwargs:
+                            calls.append((name, args[0].shape[1])) or standin(*args, **kwargs))
     planner = plan.Planner(config, "adamw-bf16")
     for method in plan.METHODS:
+        if not plan._plannable(method, planner.parallel, config) or plan.family_refusal(method, config):
+            continue
         calls.clear()
         assert planner.step_peak_bytes(method, 256) > 0
-        assert calls and sum(calls) >= 256, (method, calls)  # every token through the kernel at least once
-        assert module.torch_chunk_gated_delta_rule is reference_scan
+        assert sum(tokens for _, tokens in calls) >= 256, (method, calls)  # every token through a kernel
+        assert all(getattr(module, name) is torch_path for name in names)
 
 
 @pytest.mark.parametrize("value_heads", [2, 4], ids=["one_value_head_per_key_head", "grouped_values"])
@@ -867,3 +876,60 @@ def test_gated_deltanet_standin_allocates_what_fla_keeps_and_recomputes(value_he
         assert leaf.grad is not None and leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype
     _, no_state = standins.chunk_gated_delta_rule_like(q, k, v, g=g, beta=beta)
     assert no_state is None
+
+
+@pytest.mark.parametrize("gated_norm", [True, False], ids=["gated_norm", "gated_by_z"])
+def test_mamba2_standins_return_every_gradient_and_hold_every_chunks_state(gated_norm):
+    """Both Mamba2 stand-ins give each input that requires grad a gradient of its shape and dtype (the streamed
+    layer's start state included: it carries it between chunks), and their backward holds every chunk's state
+    recomputed ([B, chunks, heads, P, N] in fp32, as mamba_ssm's `_mamba_chunk_scan_combined_bwd` does)."""
+    # 7 chunks, the last short; a group per head, so that no backward kernel splits its sums over heads, and a
+    # chunk's state (heads x 64 x 64) outweighs its rows (32 x heads x 64) and its C.B block (heads x 32 x 32).
+    batch, length, heads, head_dim, groups, state, chunk = 1, 200, 4, 64, 4, 64, 32
+    x = torch.randn(batch, length, heads, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    dt = torch.randn(batch, length, heads, dtype=torch.bfloat16, requires_grad=True)
+    A, D, dt_bias = (torch.randn(heads, requires_grad=True) for _ in range(3))
+    B, C = (torch.randn(batch, length, groups, state, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    start = torch.zeros(batch, heads, head_dim, state, requires_grad=True)
+    out, final = standins.mamba2_chunk_scan_like(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, initial_states=start,
+                                                 dt_softplus=True, return_final_states=True)
+    assert out.shape == x.shape and final.shape == start.shape
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []  # (numel, dtype) of every tensor an operator returns
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            self.made += [(t.numel(), t.dtype) for t in torch.utils._pytree.tree_leaves(result)
+                          if isinstance(t, torch.Tensor)]
+            return result
+
+    with Allocations() as allocations:
+        torch.autograd.backward((out, final), (torch.ones_like(out), torch.ones_like(final)))
+    # The states recomputed in fp32 (summed per chunk, then passed along) and their fp32 gradients.
+    chunk_states = (batch * 7 * heads * head_dim * state, torch.float32)
+    assert allocations.made.count(chunk_states) == 3, allocations.made
+    for leaf in (x, dt, A, B, C, D, dt_bias, start):
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype
+    assert standins.mamba2_chunk_scan_like(x, dt, A, B, C, chunk).shape == x.shape
+
+    inner, hidden = heads * head_dim, 48
+    zxbcdt = torch.randn(batch, length, 2 * inner + 2 * groups * state + heads, dtype=torch.bfloat16,
+                         requires_grad=True)
+    conv_weight = torch.randn(inner + 2 * groups * state, 4, dtype=torch.bfloat16, requires_grad=True)
+    conv_bias = torch.randn(inner + 2 * groups * state, dtype=torch.bfloat16, requires_grad=True)
+    norm_weight = torch.randn(inner, dtype=torch.bfloat16, requires_grad=True) if gated_norm else None
+    out_weight = torch.randn(hidden, inner, dtype=torch.bfloat16, requires_grad=True)
+    mixed = standins.mamba2_split_conv1d_scan_combined_like(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, chunk,
+                                                            rmsnorm_weight=norm_weight, outproj_weight=out_weight,
+                                                            headdim=head_dim, ngroups=groups)
+    assert mixed.shape == (batch, length, hidden) and mixed.dtype == torch.bfloat16
+    mixed.sum().backward()
+    for leaf in (zxbcdt, conv_weight, conv_bias, out_weight) + ((norm_weight,) if gated_norm else ()):
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype
+    with pytest.raises(NotImplementedError, match="has no stand-in"):
+        standins.mamba2_split_conv1d_scan_combined_like(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, chunk,
+                                                        headdim=head_dim, ngroups=groups)

@@ -26,6 +26,16 @@ ASSUMPTIONS = """
   token's top-k copies are gathered, sorted by expert and multiplied, so the memory does not depend
   on the routing; GPT-OSS's attention sinks are assumed to be in the FlashAttention-style kernel too;
   a method whose path a family lacks (streaming on GPT-OSS) is listed as not planned, with the reason;
+- Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid) run flash-linear-attention's chunked
+  kernel, as upstream does on a GPU where fla is installed: a stand-in allocates what its forward
+  keeps (the normalized q/k, the gates' chunk sums, the solved [B, S, H_v, 64] intra-chunk
+  matrices) and what its backward makes (every 64-token chunk's state [B, S/64, H_v, K, V] and
+  its gradient, recomputed; fla commit bc3b101, Hopper tiling); its short convolution runs
+  upstream's torch path (`causal_conv1d` not stood in for);
+- Mamba2 mixers (Granite-4.0-H, Nemotron-H, Falcon-H1, Bamba, Zamba2, Mamba2) run upstream's torch
+  path, not mamba_ssm's kernels: its [B, H, S/L, L, L] blocks (L: the config's chunk size, 128 or
+  256) overstate what a GPU step with mamba_ssm installed holds, by more the longer the sequence:
+  read those plans as upper bounds;
 Left out: the CUDA context and library workspaces (cuBLAS, NCCL: typically 0.5-2 GiB),
 allocator fragmentation and caching, kernels' scratch memory (e.g. FlashAttention-2's backward
 allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all heads: up to about

@@ -47,7 +47,7 @@ from ..mst_core.model_checks import MINI_SEQUENCE_MODEL_TYPES, TEXT_CONFIG_LM_HE
 from . import layer_phases
 from .assumptions import ASSUMPTIONS, MULTI_GPU_ASSUMPTIONS
 from .search import ForkedCall, search_in_processes, search_max_fitting
-from .standins import StepHooks, attention_name, gated_delta_rule_like, offloaded_checkpoint
+from .standins import StepHooks, attention_name, offloaded_checkpoint, recurrent_kernels_like
 
 
 GIB = 2**30
@@ -106,7 +106,12 @@ def check_parallel(parallel: Parallel, config, granularity: int, optimizer_in_ba
     unknown = [o for o in parallel.offload if o not in OFFLOAD_CHOICES]
     if unknown:
         raise PlanError(f"--offload {' '.join(map(str, unknown))}: allowed {', '.join(OFFLOAD_CHOICES)} (or both)")
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:  # a state-space model (Mamba, Mamba2)
+        if sp > 1:
+            raise PlanError(f"--sp {sp}: Ulysses splits the attention heads over the sp ranks, and "
+                            f"{config.model_type!r} has no attention layers (allowed: --sp 1)")
+        heads = 1
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % sp:
         raise PlanError(f"--sp {sp}: Ulysses splits the attention heads over the sp ranks, and {heads} query heads "
@@ -124,8 +129,10 @@ def check_parallel(parallel: Parallel, config, granularity: int, optimizer_in_ba
 def _streaming_refusal(parallel: Parallel, config) -> str | None:
     """Why the streamed methods cannot be planned with these parallel settings (a sentence), or None. Under Ulysses
     a streamed layer splits the key/value heads over the ranks (ulysses/masks.py: check_streamable)."""
+    if parallel.sp == 1:
+        return None
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if parallel.sp > 1 and kv_heads % parallel.sp:
+    if kv_heads % parallel.sp:
         return (f"streamed layers under Ulysses split the {kv_heads} key/value heads over the --sp {parallel.sp} "
                 f"ranks (no replication on that path); allowed --sp: divisors of {kv_heads}")
     return None
@@ -344,7 +351,7 @@ class Planner:
         with FakeTensorMode() if fake else contextlib.nullcontext(), chunk_policy_for(self.policy_device):
             model, hooks = self._build(METHODS[method], depth)
             ids = torch.zeros(1, seq_len // self.parallel.sp, dtype=torch.long)
-            with gated_delta_rule_like(model), LiveTensorTracker(keep_largest=0) as tracker:
+            with recurrent_kernels_like(model), LiveTensorTracker(keep_largest=0) as tracker:
                 recorder = None if depth is None else layer_phases.PhaseRecorder(tracker, hooks, *_decoder_stack(model))
                 model(input_ids=ids, labels=ids).loss.backward()
                 phases = None if recorder is None else recorder.finish()

@@ -133,18 +133,211 @@ def chunk_gated_delta_rule_like(query, key, value, g, beta, initial_state=None, 
                                           use_qk_l2norm_in_kernel)
 
 
-@contextlib.contextmanager
-def gated_delta_rule_like(model):
-    """`model`'s Gated DeltaNet layers call `chunk_gated_delta_rule_like` inside the block: their modeling modules
-    call the scan by its global name `torch_chunk_gated_delta_rule` (upstream resolves it to fla's kernel where fla
-    is installed, when the module is imported)."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules()}
-    with contextlib.ExitStack() as stack:
-        for module in modules:
-            if hasattr(module, "torch_chunk_gated_delta_rule"):
-                stack.enter_context(mock.patch.object(module, "torch_chunk_gated_delta_rule",
-                                                      chunk_gated_delta_rule_like))
-        yield
+
+
+# mamba_ssm (`mamba_ssm/ops/triton/ssd_combined.py`, read at commit e9594ce, 2026-07-23): what Mamba2's fused chunked
+# scan allocates, for the stand-ins below. An H100 / H200 has 132 SMs, from which some backward kernels choose how many
+# head splits to sum over.
+GPU_SMS = 132
+
+
+def _contiguous_rows(tensor):
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _head_splits(batch, chunks, heads, groups):
+    heads_per_group = heads // groups
+    heads_per_program = max(min(math.ceil(batch * chunks * heads / GPU_SMS), heads_per_group), 1)
+    return math.ceil(heads_per_group / heads_per_program)
+
+
+def _mamba2_scan_forward(x, B, C, chunk_size, z, state_dtype):
+    """The allocations of mamba_ssm's `_mamba_chunk_scan_combined_fwd`: the gates' chunk sums, every chunk's state
+    (fp32 while summed, then in `state_dtype`), C.B per chunk, the output. Returns (out, out_x, final state)."""
+    batch, length, heads, head_dim = x.shape
+    groups, state = B.shape[2:]
+    chunks = math.ceil(length / chunk_size)
+    B, C = _contiguous_rows(B), _contiguous_rows(C)
+    if x.stride(-1) != 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    per_chunk = (batch, heads, chunks, chunk_size)
+    dA_cumsum, dt = x.new_empty(per_chunk, dtype=torch.float32), x.new_empty(per_chunk, dtype=torch.float32)
+    states = x.new_empty(batch, chunks, heads, head_dim, state, dtype=torch.float32)
+    states, final = (x.new_empty(batch, chunks, heads, head_dim * state, dtype=state_dtype or C.dtype),
+                     x.new_empty(batch, heads, head_dim, state, dtype=torch.float32))
+    cb = x.new_empty(batch, chunks, groups, chunk_size, chunk_size, dtype=torch.float32)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out_x = None if z is None else torch.empty_like(out)
+    del dA_cumsum, dt, states, cb
+    return out, out_x, final
+
+
+def _mamba2_scan_backward(dout, x, dt, B, C, chunk_size, z, initial_states, dx=None, ddt=None, dB=None, dC=None,
+                          dz=None, recompute_output=False):
+    """The allocations of mamba_ssm's `_mamba_chunk_scan_combined_bwd`, which recomputes every chunk's state (fp32,
+    then in x's dtype) and writes their gradients beside them; the gradients given (`dx`, ...: the fused layer's
+    slices of one buffer) are written into. Workspaces of [B, heads, chunks] and smaller are left out. Returns
+    (dx, ddt, dB, dC, dz, the initial state's gradient, the recomputed output or None)."""
+    dout = _contiguous_rows(dout)
+    batch, length, heads, head_dim = x.shape
+    groups, state = B.shape[2:]
+    chunks = math.ceil(length / chunk_size)
+    per_chunk = (batch, heads, chunks, chunk_size)
+    splits = _head_splits(batch, chunks, heads, groups)
+    dB = torch.empty_like(B) if dB is None else dB
+    dC = torch.empty_like(C) if dC is None else dC
+    ddt = torch.empty_like(dt) if ddt is None else ddt
+    dt_in = torch.empty_like(dt)  # dt.clone()
+    dA_cumsum, dt32 = x.new_empty(per_chunk, dtype=torch.float32), x.new_empty(per_chunk, dtype=torch.float32)
+    cb = x.new_empty(batch, chunks, groups, chunk_size, chunk_size, dtype=torch.float32)
+    states = x.new_empty(batch, chunks, heads, head_dim, state, dtype=torch.float32)
+    states = x.new_empty(batch, chunks, heads, head_dim * state, dtype=torch.float32)
+    out_z = None
+    if z is not None:
+        dz = torch.empty_like(z) if dz is None else dz
+        out_z = torch.empty_like(x) if recompute_output else None
+        dout = torch.empty_like(dout)
+    dstates = x.new_empty(batch, chunks, heads, head_dim, state, dtype=torch.float32)
+    # Passed back through the chunks: in x's dtype, and the states converted to it.
+    dstates, states, dinitial = (x.new_empty(batch, chunks, heads, head_dim * state),
+                                 x.new_empty(batch, chunks, heads, head_dim * state),
+                                 None if initial_states is None else x.new_empty(batch, heads, head_dim, state))
+    dx = torch.empty_like(x) if dx is None else dx
+    ddt32 = x.new_empty(per_chunk, dtype=torch.float32)
+    ddA_next = x.new_empty(per_chunk, dtype=torch.float32)
+    dB32 = x.new_empty(batch, length, splits, groups, state, dtype=torch.float32)
+    dB32 = dB32.new_empty(batch, length, groups, state)  # summed over the splits
+    ddA_prev = x.new_empty(per_chunk, dtype=torch.float32)
+    dC32 = x.new_empty(batch, length, splits, groups, state, dtype=torch.float32)
+    dC32 = dC32.new_empty(batch, length, groups, state)
+    dcb = x.new_empty(batch, chunks, splits, groups, chunk_size, chunk_size, dtype=torch.float32)
+    dcb = dcb.new_empty(batch, chunks, groups, chunk_size, chunk_size)
+    ddA_prev = torch.empty_like(ddA_prev)  # .flip().cumsum().flip(): three passes, one live at a time
+    ddA_prev = torch.empty_like(ddA_prev)
+    ddA = x.new_empty(per_chunk, dtype=torch.float32)
+    del dt_in, dA_cumsum, dt32, cb, states, dstates, ddt32, ddA_next, dB32, ddA_prev, dC32, dcb, ddA
+    return dx, ddt, dB, dC, dz, dinitial, out_z
+
+
+class _Mamba2ChunkScanLike(torch.autograd.Function):
+    """Memory stand-in for mamba_ssm's `mamba_chunk_scan_combined` (`MambaChunkScanCombinedFn`), which upstream's
+    Mamba2 mixers call where a cache is given (a streamed chunk: the state it starts from, and its end state); the
+    values are meaningless."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, final_state_wanted, state_dtype):
+        out, out_x, final = _mamba2_scan_forward(x, B, C, chunk_size, z, state_dtype)
+        ctx.save_for_backward(out if z is None else out_x, x, dt, A, B, C, D, z, dt_bias, initial_states)
+        ctx.chunk_size = chunk_size
+        return out, final if final_state_wanted else None
+
+    @staticmethod
+    def backward(ctx, dout, dfinal):
+        _, x, dt, A, B, C, D, z, dt_bias, initial_states = ctx.saved_tensors
+        dx, ddt, dB, dC, dz, dinitial, _ = _mamba2_scan_backward(dout, x, dt, B, C, ctx.chunk_size, z, initial_states)
+        dA, dD = torch.empty_like(A), None if D is None else torch.empty_like(D)
+        ddt_bias = None if dt_bias is None else torch.empty_like(dt_bias)
+        dinitial = None if dinitial is None else dinitial.to(initial_states.dtype)
+        return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial, None, None, None
+
+
+def mamba2_chunk_scan_like(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                           dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None,
+                           state_dtype=None, **kwargs):
+    """`_Mamba2ChunkScanLike` called as upstream calls `mamba2_chunk_scan` (mamba_ssm's `mamba_chunk_scan_combined`
+    where it is installed)."""
+    out, final = _Mamba2ChunkScanLike.apply(hidden_states, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size,
+                                            return_final_states, state_dtype)
+    return (out, final) if return_final_states else out
+
+
+class _Mamba2SplitConvScanLike(torch.autograd.Function):
+    """Memory stand-in for mamba_ssm's `mamba_split_conv1d_scan_combined` (`MambaSplitConv1dScanCombinedFn`), the
+    whole mixer after its input projection (causal convolution, chunked scan, gated RMS norm or gating by z, output
+    projection), which upstream's Mamba2 mixers call in training without a cache (an unstreamed layer). It keeps the
+    projected input, the scan's output and the norm's reciprocal deviations, and recomputes the rest in its backward;
+    the values are meaningless."""
+
+    @staticmethod
+    def _views(zxbcdt, conv_out, heads, head_dim, groups, state):
+        """z (the gate), and x, B, C of the convolution's output, as mamba_ssm splits them."""
+        batch, length, _ = zxbcdt.shape
+        inner = heads * head_dim
+        z = zxbcdt[..., :inner].view(batch, length, heads, head_dim)
+        x = conv_out[..., :inner].view(batch, length, heads, head_dim)
+        B = conv_out[..., inner:inner + groups * state].view(batch, length, groups, state)
+        C = conv_out[..., inner + groups * state:].view(batch, length, groups, state)
+        return z, x, B, C
+
+    @staticmethod
+    def forward(ctx, zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, out_weight, out_bias, chunk_size,
+                head_dim, groups):
+        batch, length, _ = zxbcdt.shape
+        heads = D.shape[0]
+        inner = heads * head_dim
+        state = (conv_weight.shape[0] - inner) // groups // 2
+        conv_out = zxbcdt.new_empty(batch, length, inner + 2 * groups * state)  # the causal convolution
+        z, x, B, C = _Mamba2SplitConvScanLike._views(zxbcdt, conv_out, heads, head_dim, groups, state)
+        rstd = None
+        if norm_weight is None:  # the scan gates its output by z itself
+            normed, scanned, _ = _mamba2_scan_forward(x, B, C, chunk_size, z, None)
+        else:
+            scanned, _, _ = _mamba2_scan_forward(x, B, C, chunk_size, None, None)
+            rstd = zxbcdt.new_empty(batch * length * groups, dtype=torch.float32)  # the gated RMS norm, per group
+            normed = zxbcdt.new_empty(batch, length, inner)
+        out = normed.view(batch, length, inner) @ out_weight.t()  # the output projection
+        del conv_out, z, x, B, C, normed
+        ctx.save_for_backward(zxbcdt, conv_weight, conv_bias, scanned, A, D, dt_bias, norm_weight, rstd, out_weight,
+                              out_bias)
+        ctx.chunk_size, ctx.head_dim, ctx.groups = chunk_size, head_dim, groups
+        return out if out_bias is None else out + out_bias
+
+    @staticmethod
+    def backward(ctx, dout):
+        zxbcdt, conv_weight, conv_bias, _, A, D, dt_bias, norm_weight, _, out_weight, out_bias = ctx.saved_tensors
+        batch, length, _ = zxbcdt.shape
+        heads, head_dim, groups = D.shape[0], ctx.head_dim, ctx.groups
+        inner = heads * head_dim
+        state = (conv_weight.shape[0] - inner) // groups // 2
+        out_recomputed = zxbcdt.new_empty(batch, length, inner)
+        conv_out = zxbcdt.new_empty(batch, length, inner + 2 * groups * state)  # recomputed
+        z, x, B, C = _Mamba2SplitConvScanLike._views(zxbcdt, conv_out, heads, head_dim, groups, state)
+        dzxbcdt = torch.empty_like(zxbcdt)
+        d_conv_out = torch.empty_like(conv_out)
+        dz, dx, dB, dC = _Mamba2SplitConvScanLike._views(dzxbcdt, d_conv_out, heads, head_dim, groups, state)
+        ddt, dt = dzxbcdt[..., -heads:], zxbcdt[..., -heads:]
+        d_scan = dout @ out_weight  # through the output projection
+        if norm_weight is None:
+            out_recomputed = _mamba2_scan_backward(d_scan.view(batch, length, heads, head_dim), x, dt, B, C,
+                                                   ctx.chunk_size, z, None, dx=dx, ddt=ddt, dB=dB, dC=dC, dz=dz,
+                                                   recompute_output=True)[-1].view(batch, length, inner)
+        else:
+            d_scan = torch.empty_like(d_scan)  # the gated RMS norm's backward (it writes z's gradient in place)
+            _mamba2_scan_backward(d_scan.view(batch, length, heads, head_dim), x, dt, B, C, ctx.chunk_size, None,
+                                  None, dx=dx, ddt=ddt, dB=dB, dC=dC)
+        d_out_weight = dout.flatten(0, -2).t() @ out_recomputed.flatten(0, -2)
+        del d_scan, conv_out, z, x, B, C, out_recomputed
+        d_conv_bias = None if conv_bias is None else torch.empty_like(conv_bias)
+        d_out_bias = None if out_bias is None else torch.empty_like(out_bias)
+        d_norm_weight = None if norm_weight is None else torch.empty_like(norm_weight)
+        # The causal convolution's backward writes x's, B's and C's input gradients into dzxbcdt.
+        del d_conv_out, dz, dx, dB, dC, ddt
+        return (dzxbcdt, torch.empty_like(conv_weight), d_conv_bias, torch.empty_like(dt_bias), torch.empty_like(A),
+                torch.empty_like(D), d_norm_weight, d_out_weight.to(out_weight.dtype), d_out_bias, None, None, None)
+
+
+def mamba2_split_conv1d_scan_combined_like(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+                                           initial_states=None, dt_limit=(0.0, float("inf")),
+                                           return_final_states=False, activation="silu", rmsnorm_weight=None,
+                                           rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None,
+                                           ngroups=1, norm_before_gate=True, **kwargs):
+    """`_Mamba2SplitConvScanLike` called as upstream calls `mamba2_split_conv1d_scan_combined` (whose torch fallback
+    returns None: upstream's mixer then runs unfused)."""
+    if outproj_weight is None or initial_states is not None or return_final_states:
+        raise NotImplementedError("planner: a fused Mamba2 mixer call without its output projection, or with states, "
+                                  "has no stand-in")
+    return _Mamba2SplitConvScanLike.apply(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight,
+                                          outproj_weight, outproj_bias, chunk_size, headdim, ngroups)
 
 
 def _send_buffer(tensor):
@@ -436,3 +629,23 @@ def offloaded_checkpoint(hooks, function, *args):
     if len(args) != 1 or not isinstance(args[0], torch.Tensor):
         raise RuntimeError("planner: layer-input offload expects a decoder layer called with hidden_states only")
     return _OffloadedCheckpoint.apply(hooks, function, args[0])
+
+
+# Upstream's modeling modules call their scans by these global names, which they resolve when imported to a GPU
+# package's kernel where it is installed (`use_kernel_func_from_hub_with_fallback`), else to their torch path.
+KERNEL_STANDINS = {"torch_chunk_gated_delta_rule": "chunk_gated_delta_rule_like",  # fla
+                   "mamba2_chunk_scan": "mamba2_chunk_scan_like",  # mamba_ssm
+                   "mamba2_split_conv1d_scan_combined": "mamba2_split_conv1d_scan_combined_like"}
+
+
+@contextlib.contextmanager
+def recurrent_kernels_like(model):
+    """Inside the block, `model`'s Gated DeltaNet and Mamba2 layers call the stand-ins of the GPU kernels upstream
+    takes where fla and mamba_ssm are installed (`KERNEL_STANDINS`), not upstream's torch paths."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            for name, standin in KERNEL_STANDINS.items():
+                if hasattr(module, name):
+                    stack.enter_context(mock.patch.object(module, name, globals()[standin]))
+        yield
