@@ -26,16 +26,22 @@ ASSUMPTIONS = """
   token's top-k copies are gathered, sorted by expert and multiplied, so the memory does not depend
   on the routing; GPT-OSS's attention sinks are assumed to be in the FlashAttention-style kernel too;
   a method whose path a family lacks (streaming on GPT-OSS) is listed as not planned, with the reason;
-- Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid) run flash-linear-attention's chunked
-  kernel, as upstream does on a GPU where fla is installed: a stand-in allocates what its forward
-  keeps (the normalized q/k, the gates' chunk sums, the solved [B, S, H_v, 64] intra-chunk
-  matrices) and what its backward makes (every 64-token chunk's state [B, S/64, H_v, K, V] and
-  its gradient, recomputed; fla commit bc3b101, Hopper tiling); its short convolution runs
-  upstream's torch path (`causal_conv1d` not stood in for);
-- Mamba2 mixers (Granite-4.0-H, Nemotron-H, Falcon-H1, Bamba, Zamba2, Mamba2) run upstream's torch
-  path, not mamba_ssm's kernels: its [B, H, S/L, L, L] blocks (L: the config's chunk size, 128 or
-  256) overstate what a GPU step with mamba_ssm installed holds, by more the longer the sequence:
-  read those plans as upper bounds;
+- recurrent layers run the GPU kernels upstream takes where their packages are installed, each
+  replaced during planning by a stand-in that allocates what the kernel's forward keeps and its
+  backward allocates (standins.py), for every family with such layers:
+  Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid): flash-linear-attention's chunked kernel (read at
+  fla commit bc3b101): it keeps the normalized q/k, the gates' chunk sums and the solved
+  [B, S, H_v, 64] intra-chunk matrices, and its backward recomputes every 64-token chunk's start
+  state [B, S/64, H_v, K, V] and writes their gradients beside them (Hopper tiling);
+  Mamba2 mixers (Granite-4.0-H, Nemotron-H, Falcon-H1, Bamba, Zamba2, Mamba2): mamba_ssm's kernels
+  (read at mamba commit e9594ce): unstreamed layers its fused mixer (convolution, scan, gated norm,
+  output projection: it keeps the projected input and the scan's output), streamed chunks its
+  chunked scan from the carried state; the backward recomputes every chunk's state
+  [B, S/L, H, P, N] in fp32 (L: the config's chunk size) beside their gradients (132 SMs, as an
+  H100 / H200 has, where a kernel splits its sums over heads by it); workspaces of [B, H, S/L]
+  and smaller are left out. Streamed Mamba2 chunks and Gated DeltaNet layers run their short
+  convolution by upstream's torch path (causal_conv1d not stood in for). Mamba (v1) mixers (Mamba,
+  FalconMamba, Jamba) run upstream's torch path;
 Left out: the CUDA context and library workspaces (cuBLAS, NCCL: typically 0.5-2 GiB),
 allocator fragmentation and caching, kernels' scratch memory (e.g. FlashAttention-2's backward
 allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all heads: up to about

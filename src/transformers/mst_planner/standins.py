@@ -1,10 +1,11 @@
 """What the planner puts in place of the GPU-only parts of a training step, on fake tensors: a FlashAttention-like
-attention (its memory, not its values; Ulysses' all-to-alls with sp > 1), and the per-rank work of ZeRO-2/3
-(gradient sharding, parameter gathering) and of layer-input offload (host copies counted, not held). They reach the
-runtime only through its extension points: upstream's attention and mask interfaces (registered when a plan is
-built), the attribute streaming_backward/masks.py reads, the checkpointing function's offload tag
-(streaming_backward/offload.py) and, for streamed layers under Ulysses, a ShardedSequenceMask as the layers' mask
-(mst_core/sharded_sequence.py)."""
+attention (its memory, not its values; Ulysses' all-to-alls with sp > 1), flash-linear-attention's and mamba_ssm's
+chunked recurrent kernels, and the per-rank work of ZeRO-2/3 (gradient sharding, parameter gathering) and of
+layer-input offload (host copies counted, not held). They reach the runtime only through its extension points:
+upstream's attention and mask interfaces (registered when a plan is built), the global names by which upstream's
+modeling modules call their kernels (replaced while a step runs: `recurrent_kernels_like`), the attribute
+streaming_backward/masks.py reads, the checkpointing function's offload tag (streaming_backward/offload.py) and, for
+streamed layers under Ulysses, a ShardedSequenceMask as the layers' mask (mst_core/sharded_sequence.py)."""
 
 import contextlib
 import functools
@@ -127,12 +128,10 @@ class _ChunkGatedDeltaRuleLike(torch.autograd.Function):
 
 def chunk_gated_delta_rule_like(query, key, value, g, beta, initial_state=None, output_final_state=False,
                                 use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-    """`_ChunkGatedDeltaRuleLike` called as upstream calls `torch_chunk_gated_delta_rule` (its modeling modules'
-    global, which `gated_delta_rule_like` replaces while the planner runs a step)."""
+    """`_ChunkGatedDeltaRuleLike` called as upstream calls `torch_chunk_gated_delta_rule` (fla's
+    `chunk_gated_delta_rule` where it is installed)."""
     return _ChunkGatedDeltaRuleLike.apply(query, key, value, g, beta, initial_state, output_final_state,
                                           use_qk_l2norm_in_kernel)
-
-
 
 
 # mamba_ssm (`mamba_ssm/ops/triton/ssd_combined.py`, read at commit e9594ce, 2026-07-23): what Mamba2's fused chunked
@@ -307,16 +306,17 @@ class _Mamba2SplitConvScanLike(torch.autograd.Function):
         dz, dx, dB, dC = _Mamba2SplitConvScanLike._views(dzxbcdt, d_conv_out, heads, head_dim, groups, state)
         ddt, dt = dzxbcdt[..., -heads:], zxbcdt[..., -heads:]
         d_scan = dout @ out_weight  # through the output projection
-        if norm_weight is None:
-            out_recomputed = _mamba2_scan_backward(d_scan.view(batch, length, heads, head_dim), x, dt, B, C,
+        out_for_linear = out_recomputed
+        if norm_weight is None:  # the scan's backward recomputes the gated output itself
+            out_for_linear = _mamba2_scan_backward(d_scan.view(batch, length, heads, head_dim), x, dt, B, C,
                                                    ctx.chunk_size, z, None, dx=dx, ddt=ddt, dB=dB, dC=dC, dz=dz,
                                                    recompute_output=True)[-1].view(batch, length, inner)
         else:
             d_scan = torch.empty_like(d_scan)  # the gated RMS norm's backward (it writes z's gradient in place)
             _mamba2_scan_backward(d_scan.view(batch, length, heads, head_dim), x, dt, B, C, ctx.chunk_size, None,
                                   None, dx=dx, ddt=ddt, dB=dB, dC=dC)
-        d_out_weight = dout.flatten(0, -2).t() @ out_recomputed.flatten(0, -2)
-        del d_scan, conv_out, z, x, B, C, out_recomputed
+        d_out_weight = dout.flatten(0, -2).t() @ out_for_linear.flatten(0, -2)
+        del d_scan, conv_out, z, x, B, C, out_recomputed, out_for_linear
         d_conv_bias = None if conv_bias is None else torch.empty_like(conv_bias)
         d_out_bias = None if out_bias is None else torch.empty_like(out_bias)
         d_norm_weight = None if norm_weight is None else torch.empty_like(norm_weight)
@@ -647,5 +647,6 @@ def recurrent_kernels_like(model):
         for module in modules:
             for name, standin in KERNEL_STANDINS.items():
                 if hasattr(module, name):
+                    # By name, when the step runs: the tests wrap the stand-ins to count their calls.
                     stack.enter_context(mock.patch.object(module, name, globals()[standin]))
         yield
