@@ -1,14 +1,15 @@
 """Memory and time of a training step of the hybrids' layer kinds, streamed against gradient checkpointing
 (`bench.py hybrids`; docs/streaming.md, "Recurrent layers").
 
-Five d=256 models, fp32, batch 1, V=1000, CPU: `gated_deltanet` (Qwen3-Next's layers: 2 Gated DeltaNet layers of 2 key
+Six d=256 models, fp32, batch 1, V=1000, CPU: `gated_deltanet` (Qwen3-Next's layers: 2 Gated DeltaNet layers of 2 key
 and 4 value heads of 64, a MoE block of 4 experts of 128, top-2, and a shared expert of 128, in each), `qwen3_next`
 (the same with its second layer gated attention, 4 query and 2 KV heads of 64), `granite_h` (Granite-4.0-H: a
 Mamba2 layer of 8 heads of 64, state 16, then an attention layer; MoE of 4 experts, top-2, a shared MLP of 512),
 `falcon_h1` (since 5.24.0+mst.34: 2 Falcon-H1 layers, each a Mamba2 mixer of 8 heads of 64, state 16, beside attention
-of 4 query and 2 KV heads of 64, then an MLP of 512) and `zamba2` (since mst.34: a Zamba2 Mamba2 layer of 8 heads of
-64, state 16, then a hybrid layer: the shared block's attention of 4 heads of 128 and MLP of 512 on the input joined
-to the embeddings, then its Mamba2 layer). Not Jamba: its checkpointed step runs upstream's PyTorch selective scan,
+of 4 query and 2 KV heads of 64, then an MLP of 512), `nemotron_h` (since mst.36: a Nemotron-H Mamba2 block of 8 heads
+of 64, state 16, then an MLP block of 1344, squared ReLU, Nemotron-H-8B's ratio to d) and `zamba2` (since mst.34: a
+Zamba2 Mamba2 layer of 8 heads of 64, state 16, then a hybrid layer: the shared block's attention of 4 heads of 128
+and MLP of 512 on the input joined to the embeddings, then its Mamba2 layer). Not Jamba: its checkpointed step runs upstream's PyTorch selective scan,
 whose backward on the CPU is quadratic in the length (one zero-filled `[B, D, S, N]` gradient per token;
 docs/adjoint-sharding.md).
 Methods: `checkpointing` (the fields unset, `activation_checkpointing_enable()`), `mini_sequence+checkpointing`
@@ -50,6 +51,11 @@ MODELS = {
                        num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=512, mamba_n_heads=8,
                        mamba_d_head=64, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=256,
                        max_position_embeddings=1 << 20)),
+    "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM,
+                   dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1344, num_hidden_layers=LAYERS,
+                        layers_block_type=["linear_attention", "mlp"], num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=16, n_groups=1,
+                        chunk_size=256, max_position_embeddings=1 << 20)),
     "zamba2": (transformers.Zamba2Config, transformers.Zamba2ForCausalLM,
                dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=LAYERS,
                     layers_block_type=["mamba", "hybrid"], num_attention_heads=4, num_key_value_heads=4,

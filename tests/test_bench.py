@@ -149,7 +149,7 @@ def test_hybrids_sweep(tmp_path):
     rows = read_csv(tmp_path / "hybrids.csv")
     methods = ("checkpointing", "mini_sequence+checkpointing", "streaming", "both")
     assert [(r["model"], r["method"]) for r in rows] == [
-        (model, method) for model in ("gated_deltanet", "qwen3_next", "granite_h", "falcon_h1", "zamba2")
+        (model, method) for model in ("gated_deltanet", "qwen3_next", "granite_h", "falcon_h1", "nemotron_h", "zamba2")
         for method in methods]
     checkpointed = {r["model"]: float(r["peak_MiB"]) for r in rows if r["method"] == "checkpointing"}
     for r in rows:

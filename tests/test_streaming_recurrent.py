@@ -106,9 +106,22 @@ def _assert_exact(got, family, chunk, batches, want=None, prepare=None, **fields
     _assert_close(got, want, in_fp64)
 
 
+def _by_tokens(layer):
+    """Whether the recurrent Function streams `layer`: a recurrent mixer's, or a hybrid's block that mixes no tokens
+    (Nemotron-H's MLP and MoE blocks, since 5.24.0+mst.36)."""
+    return parts.recurrent_mixer(layer) is not None or parts.positionwise_mixer(layer) is not None
+
+
 def _recurrent_layers(model):
-    """Decoder layers with a recurrent mixer (not one inside another: Zamba2's hybrid layers hold a Mamba2 layer)."""
-    return sum(parts.recurrent_mixer(layer) is not None and not parts.inside_a_layer(layer) for layer in model.modules())
+    """Decoder layers the recurrent Function streams (not one inside another: Zamba2's hybrid layers hold a Mamba2
+    layer)."""
+    return sum(_by_tokens(layer) and not parts.inside_a_layer(layer) for layer in model.modules())
+
+
+def _streamed_kinds(model):
+    """Which streamed Function each decoder layer of `model` calls, in order (`_streamed_layer_calls`)."""
+    return ["recurrent" if _by_tokens(layer) and parts.mixer_beside_attention(layer) is None else "attention"
+            for layer in model.model.layers if _by_tokens(layer) or parts.attention_module(layer) is not None]
 
 
 @pytest.fixture
@@ -158,8 +171,8 @@ CHUNKED_BLOCKS = {"mamba2": 1, "mamba": 1, "falcon_mamba": 1, "nemotron_h": 3, "
 @pytest.mark.parametrize("streaming", [None, 7])
 def test_with_mini_sequences(family, streaming, streamed_calls, monkeypatch):
     """mini_sequence_chunk (the MLP / MoE blocks, the final norm and the LM head + loss by chunks of 16), alone and
-    with streamed layers, where the streamed layers run their MLPs unsplit (one chunk bounds them) and Nemotron-H's
-    MLP and MoE blocks, layers of their own, stay chunked."""
+    with streamed layers, where the streamed layers run their MLPs unsplit (one chunk bounds them), Nemotron-H's MLP
+    and MoE blocks, layers of their own, too (they stream by chunks of tokens since 5.24.0+mst.36)."""
     from transformers.mini_sequence import mlp as mini_sequence_mlp
 
     chunked = []
@@ -177,8 +190,8 @@ def test_with_mini_sequences(family, streaming, streamed_calls, monkeypatch):
     assert len(chunked) == CHUNKED_BLOCKS.get(family, 3), chunked
     chunked.clear()
     got = _step(family, streaming, batches, mini_sequence_chunk=16)
-    if streaming is not None:  # the final norm, and Nemotron-H's MLP and MoE blocks
-        assert len(chunked) == (3 if family == "nemotron_h" else 1), chunked
+    if streaming is not None:  # the final norm only
+        assert len(chunked) == 1, chunked
     _assert_exact(got, family, streaming, batches, mini_sequence_chunk=16)
     assert bool(streamed_calls) == (streaming is not None)
 
@@ -287,9 +300,29 @@ def test_the_backward_holds_one_chunk(family):
     assert gaps[1] > 3.5 * gaps[0], (streamed, checkpointed)
 
 
-# Not Nemotron-H: its MLP and MoE blocks, which do not stream, take upstream's offloaded checkpointing, which pins host
-# memory (a CUDA build only).
-@pytest.mark.parametrize("family", sorted(set(RECURRENT_FAMILIES) - {"nemotron_h"}))
+def test_blocks_that_mix_no_tokens_stream_too():
+    """Nemotron-H's MLP and MoE blocks, layers of their own, stream by chunks of tokens (since 5.24.0+mst.36): with
+    the field set (which replaces checkpointing) their recompute holds one chunk's activations. Before, they were
+    neither streamed nor checkpointed and kept the whole sequence's MLP activations: above checkpointing's peak."""
+
+    def peak(seq, chunk):
+        model = make_model("nemotron_h", streaming_backward_chunk=chunk, vocab_size=16, intermediate_size=256,
+                           moe_intermediate_size=64, layers_block_type=["mlp", "moe"], num_hidden_layers=2).train()
+        if chunk is None:
+            model.activation_checkpointing_enable()
+        ids = torch.randint(1, 16, (1, seq), generator=torch.Generator().manual_seed(0))
+        with LiveTensorTracker(keep_largest=0) as tracker:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # (no attention layer: no cache)
+        return tracker.peak_bytes
+
+    streamed = [peak(seq, 64) for seq in (1024, 4096)]
+    checkpointed = [peak(seq, None) for seq in (1024, 4096)]
+    assert streamed[1] < 0.7 * checkpointed[1], (streamed, checkpointed)
+    gaps = [c - s for c, s in zip(checkpointed, streamed)]
+    assert gaps[1] > 3.5 * gaps[0], (streamed, checkpointed)
+
+
+@pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
 def test_offloaded_input_read_back_by_chunks(family, streamed_calls):
     """activation_checkpointing_enable(offload=True) with streaming: each streamed layer keeps its input in host
     memory (one save per layer and step) and its backward reads it back one chunk at a time; exact."""
@@ -318,14 +351,12 @@ def test_offloaded_input_read_back_by_chunks(family, streamed_calls):
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES))
 def test_only_the_decoder_layers_stream(family):
     """`applies` (asked by GradientCheckpointingLayer, and by the planner for every module) is true for a training
-    recurrent or attention decoder layer only: not for the model around it, which carries the same config, nor for
-    Nemotron-H's MLP and MoE blocks (layers of their own there, with nothing to stream)."""
+    decoder layer only (Nemotron-H's MLP and MoE blocks, layers of their own there, included since 5.24.0+mst.36):
+    not for the model around it, which carries the same config."""
     from transformers.streaming_backward import applies
 
     model = make_model(family, streaming_backward_chunk=7).train()
     streamed = model.config.num_hidden_layers
-    if family == "nemotron_h":
-        streamed -= model.config.layers_block_type.count("mlp") + model.config.layers_block_type.count("moe")
     assert [applies(module) for module in model.modules()].count(True) == streamed
     assert not any(applies(module) for module in model.eval().modules())
 
@@ -371,7 +402,9 @@ def test_hybrid_router_logits_and_aux_loss(family, variant, monkeypatch):
 
     calls = _streamed_layer_calls(monkeypatch)
     (out, grads), (ref, ref_grads) = step(7), step(None)
-    assert calls == ([] if variant == "fallback" else ["recurrent", "attention"])
+    assert calls == ([] if variant == "fallback" else _streamed_kinds(make_model(family)))
+    if family == "nemotron_h" and variant != "fallback":  # its MoE and MLP blocks stream by tokens too
+        assert calls == ["recurrent", "recurrent", "attention", "recurrent"]
     assert (out.logits is None) == bool(fields and REGISTRY[family].mini_sequence)  # the chunked loss ran
     if family in NO_AUX_LOSS:
         assert ref.aux_loss is None and out.aux_loss is None
@@ -393,10 +426,7 @@ def test_hybrid_with_flash_attention(family, flash_reference, monkeypatch):
     batches = [_batch(family=family)]
     calls = _streamed_layer_calls(monkeypatch)
     got = _step(family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
-    layers = ["recurrent" if parts.recurrent_mixer(layer) is not None and parts.mixer_beside_attention(layer) is None
-              else "attention" for layer in make_model(family).model.layers
-              if parts.recurrent_mixer(layer) is not None or parts.attention_module(layer) is not None]
-    assert calls == layers and "reference_flash_varlen" in flash_reference.calls
+    assert calls == _streamed_kinds(make_model(family)) and "reference_flash_varlen" in flash_reference.calls
     _assert_exact(got, family, 7, batches, prepare=flash_reference, attn_implementation="sdpa")
 
 

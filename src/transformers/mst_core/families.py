@@ -271,9 +271,10 @@ FAMILIES = {
                                      "router_aux_loss_coef": 1.0}),
     # Nemotron-H (`nemotron_h`): blocks of one kind each (`layers_block_type`: a Mamba2 mixer, attention, an MLP or a
     # MoE block with a shared expert), every one under the attribute `mixer`: the Mamba2 blocks stream through their
-    # state, the attention blocks by query chunks, the MLP and MoE blocks (token by token: nothing to stream) by
-    # mini-sequences, as the final norm (`norm_f`) and the LM head + loss (its head's fp32 logits are what the chunked
-    # loss computes in). Router logits recorded, no aux loss in its head. Tiny: one block of each kind.
+    # state, the attention blocks by query chunks, the MLP and MoE blocks (token by token: no state) by chunks of tokens
+    # (streaming_backward/parts.py: positionwise_mixer); by mini-sequences the MLP and MoE blocks, the final norm
+    # (`norm_f`) and the LM head + loss (its head's fp32 logits are what the chunked loss computes in). Router logits
+    # recorded, no aux loss in its head. Tiny: one block of each kind.
     "nemotron_h": Family("Nemotron-H", "NemotronHConfig", "NemotronHForCausalLM", "moe", _ATTENTION,
                          streaming_recurrent="mixer",
                          tiny={"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],

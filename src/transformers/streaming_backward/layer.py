@@ -96,8 +96,8 @@ def applies(layer) -> bool:
     if parts.inside_a_layer(layer):  # inside a streamed chunk of the layer around it: as it is (decoder_layer_forward)
         return inside_streamed_chunk()
     config = getattr(parts.attention_module(layer), "config", None)
-    if config is None and parts.recurrent_mixer(layer) is not None:  # a recurrent layer (Mamba2Block, linear_attn)
-        config = parts.layer_config(layer)
+    if config is None and (parts.recurrent_mixer(layer) is not None or parts.positionwise_mixer(layer) is not None):
+        config = parts.layer_config(layer)  # a recurrent layer (Mamba2Block, linear_attn), a hybrid's MLP block
     if getattr(config, STREAMING_FIELD, None) is None or not (layer.training and torch.is_grad_enabled()):
         return False
     return getattr(config, "model_type", None) in STREAMING_MODEL_TYPES and streaming_refusal(config) is None
@@ -479,12 +479,13 @@ class _KeysValuesOnly(FixedCache):
 def decoder_layer_forward(forward, layer, *args, **kwargs):
     """Streamed training forward of `layer` (`forward` is the layer class's own forward). While torch.compile
     traces, one operator of the graph where the call allows it (compiled.py), else the eager call (one graph break).
-    A recurrent layer (the registry's `streaming_recurrent`) streams through its state (recurrent.py)."""
+    A recurrent layer (the registry's `streaming_recurrent`) streams through its state, a hybrid's MLP or MoE block
+    (Nemotron-H's) by chunks of tokens with no state (recurrent.py)."""
     if parts.inside_a_layer(layer):  # a decoder layer inside a streamed one's chunk: neither streamed nor checkpointed
         return forward(layer, *args, **kwargs)
     if parts.mixer_beside_attention(layer) is not None:  # both seams in one layer: the eager call (one graph break)
         return _eager_forward(forward, layer, *args, **kwargs)
-    if parts.recurrent_mixer(layer) is not None:
+    if parts.recurrent_mixer(layer) is not None or parts.positionwise_mixer(layer) is not None:
         return _recurrent_eager_forward(forward, layer, *args, **kwargs)
     if torch.compiler.is_compiling():
         from . import compiled

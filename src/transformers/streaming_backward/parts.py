@@ -51,6 +51,16 @@ def recurrent_mixer(layer):
     return mixer if hasattr(mixer, "conv_kernel_size") else None
 
 
+def positionwise_mixer(layer):
+    """The block of a hybrid's layer that mixes no tokens (Nemotron-H's `mixer` on its "mlp" and "moe" blocks, the
+    registry's `streaming_recurrent` attribute): such a layer streams by chunks of tokens with no state to carry
+    (recurrent.py), as checkpointing would recompute it; None for any other layer."""
+    name = getattr(_family(layer), "streaming_recurrent", None)
+    if name is None or getattr(layer, "block_type", None) not in ("mlp", "moe"):
+        return None
+    return getattr(layer, name, None)
+
+
 def mixer_beside_attention(layer):
     """The recurrent mixer of a layer that also has attention, side by side in one forward (Falcon-H1's `mamba` beside
     its `self_attn`): the layer streams by query chunks with the mixer's states carried from chunk to chunk (layer.py);

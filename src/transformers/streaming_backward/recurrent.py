@@ -17,6 +17,10 @@ checkpointing, and the backward holds one chunk's activations.
 
 Where a wrapper may swap the weights (ZeRO-3, FSDP1, accelerate hooks: wrappers.py), each chunk is an ordinary
 checkpoint instead, its start states among its inputs: autograd delivers every gradient the wrapper expects.
+
+A hybrid's block that mixes no tokens (Nemotron-H's MLP and MoE blocks: parts.positionwise_mixer) streams the same
+way with no state at all: each chunk depends on its own rows only. Unstreamed, such a block would keep its whole
+activations for the backward where streaming replaces checkpointing.
 """
 
 import contextlib
@@ -33,7 +37,7 @@ from . import router
 from .checks import check_captured_outputs
 from .config import streaming_chunk_size
 from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
-from .parts import layer_config, recurrent_mixer, returned
+from .parts import layer_config, positionwise_mixer, recurrent_mixer, returned
 from .rows import slice_rows
 from .wrappers import layer_parameters, noting_uncalled_parameters, parameter_grads
 
@@ -140,6 +144,7 @@ class RecurrentCall:
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
         self.chunks = state_chunks(self.seq_len, chunk)
+        self.stateless = recurrent_mixer(layer) is None  # a block that mixes no tokens: it meets no state
         self.uncalled_parameters = set()  # ids (wrappers.noting_uncalled_parameters)
 
     def call(self, x_chunk, index, seam):
@@ -150,7 +155,7 @@ class RecurrentCall:
         kwargs[self.cache_name] = seam
         with one_streamed_chunk(), carrying_states(seam), router.chunk_collector(self.records_router_logits) as collected:
             out = self.forward(self.layer, x_chunk, **kwargs)
-        if not seam.met:
+        if not seam.met and not self.stateless:
             raise ValueError(
                 f"{STREAMING_FIELD}: {type(self.layer).__name__} cannot be streamed: its mixer never read its state "
                 "from the cache (`get_conv_state` / `get_recurrent_state`). Unset the field for this model."
@@ -282,7 +287,7 @@ def recurrent_forward(forward, layer, hidden_states, arguments, cache_name):
 
 def _streamed_outputs(call, layer, hidden_states):
     """The layer's output, or (output, router logits), by the Function or the wrappers' fallback."""
-    params = layer_parameters(layer, mixer=recurrent_mixer(layer))
+    params = layer_parameters(layer, mixer=recurrent_mixer(layer) or positionwise_mixer(layer))
     storage = input_storage(layer)
     if params is None:
         with saved_tensors_offloaded(storage, hidden_states.device):
