@@ -933,3 +933,13 @@ def test_mamba2_standins_return_every_gradient_and_hold_every_chunks_state(gated
     with pytest.raises(NotImplementedError, match="has no stand-in"):
         standins.mamba2_split_conv1d_scan_combined_like(zxbcdt, conv_weight, conv_bias, dt_bias, A, D, chunk,
                                                         headdim=head_dim, ngroups=groups)
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_state_space_models_plan(family):
+    """A config without attention heads (Mamba, Mamba2) plans (mst.35 raised an AttributeError checking the Ulysses
+    settings), and Ulysses, which splits attention heads, is refused for it naming the model type."""
+    config = _deep(family)
+    assert plan.Planner(config, "none").step_peak_bytes("checkpointing", 256) > 0
+    with pytest.raises(plan.PlanError, match=f"--sp 2: .*'{family}' has no attention layers"):
+        plan.Planner(config, "none", parallel=plan.Parallel(2, 0, 2))
