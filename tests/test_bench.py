@@ -156,8 +156,10 @@ def test_hybrids_sweep(tmp_path):
         assert float(r["step_time_s"]) > 0 and float(r["inputs_MiB"]) == 4.0
         if r["method"] == "checkpointing":
             assert float(r["speed_vs_checkpointing"]) == 1.0
-        elif (r["model"], r["method"]) == ("zamba2", "mini_sequence+checkpointing"):
-            # its MLPs are not chunked and the peak is in its layers: no higher (measured: the same)
+        elif (r["model"], r["method"]) in (("zamba2", "mini_sequence+checkpointing"),
+                                           ("nemotron_h", "mini_sequence+checkpointing")):
+            # Zamba2's MLPs are not chunked and its peak is in its layers; Nemotron-H's is in its Mamba2 block's
+            # recompute: no higher (measured: the same)
             assert float(r["peak_MiB"]) <= checkpointed[r["model"]], r
         else:
             assert float(r["peak_MiB"]) < checkpointed[r["model"]], r
