@@ -4,7 +4,7 @@ Run by tests/test_ulysses.py through `torchrun --nproc_per_node N` with DS_ACCEL
 `--sp 1` under one process is the reference, `--sp 2` under two processes the Ulysses run. Each
 `--spec NAME:KEY=VALUE,...` is one Trainer run (keys: family, case, zero, chunk (mini_sequence_chunk), stream
 (streaming_backward_chunk), offload (1: layer inputs in host memory), kv (num_key_value_heads), batch (rows per
-step), attn, seq, steps, aux, plant (an error
+step), attn, seq, steps, aux, optim (the Trainer's `optim`; AdamW by default), plant (an error
 planted in the Ulysses path, which the tests must see: "keys", "mask", "offset")),
 run one after the other in the same processes to save start-up time. A run that raises records
 its error message instead of losses. Rank 0 writes {NAME: {"loss": [...], "grad_norm": [...]} or
@@ -25,7 +25,7 @@ from leave import leave_process_group  # noqa: E402
 
 # aux=1: the MoE head adds the router's auxiliary loss (output_router_logits=True).
 DEFAULTS = dict(family="mistral", case="window", zero=2, chunk=None, stream=None, offload=0, attn="sdpa", seq=32,
-                steps=3, aux=0, plant="", kv=None, batch=1)
+                steps=3, aux=0, plant="", kv=None, batch=1, optim="adamw_torch")
 
 
 def samples(case, seq, n, vocab, seed=1):
@@ -62,7 +62,7 @@ def parse_run(text):
         key, _, value = item.partition("=")
         if key not in spec:
             raise ValueError(f"unknown key {key!r} in --spec {text!r}")
-        spec[key] = value if key in ("family", "case", "attn", "plant") else int(value)
+        spec[key] = value if key in ("family", "case", "attn", "plant", "optim") else int(value)
     return name, spec
 
 
@@ -144,6 +144,7 @@ def train(spec, sp, workdir):
         per_device_train_batch_size=spec["batch"],
         max_steps=spec["steps"],
         learning_rate=1e-2,
+        optim=spec["optim"],
         logging_steps=1,
         save_strategy="no",
         report_to=[],
