@@ -1,9 +1,10 @@
 """torch.compile with our fields set.
 
 mini_sequence_chunk: a training step compiles with `fullgraph=True` (no graph break at all, as with the fields
-unset) and its loss and gradients equal the eager unsplit step's; the recomputation of a chunk under compile
-replays the forward's dropout masks. streaming_backward_chunk: the compiled step is exact, each streamed layer call
-running eagerly, one graph break (docs/limits.md says why)."""
+unset) and its loss and gradients equal the eager unsplit step's; the MLP, MoE block and norms are each one operator of
+the graph (mini_sequence/compiled.py), and keep the eager step's memory; where dropout draws inside the block, the
+recomputation of a chunk under compile replays the forward's masks. streaming_backward_chunk: each streamed layer call
+is one operator of the graph (streaming_backward/compiled.py), exact."""
 
 import pytest
 import torch
@@ -256,9 +257,10 @@ def test_streaming_compiled_router_logits_shape_checked(monkeypatch):
 
 
 def test_mini_sequence_compiled_bf16_within_upstream_bf16_error():
-    """bf16: under compile the per-chunk parameter gradients are summed by autograd in bf16 (eager sums them in
-    fp32); against an fp64 reference the compiled step's errors stay within upstream's own eager bf16 errors
-    (measured: median 7.3e-3 vs 7.5e-3, max 1.03e-2 vs 1.04e-2)."""
+    """bf16: under compile the MLP's and norms' parameter gradients are summed in fp32 as eagerly (their operator runs
+    the eager backward), the LM head's checkpointed chunks' by autograd in bf16; against an fp64 reference the
+    compiled step's errors stay within upstream's own eager bf16 errors (measured at mst.20, every sum in bf16: median
+    7.3e-3 vs 7.5e-3, max 1.03e-2 vs 1.04e-2)."""
 
     def step_in(dtype, step, **fields):
         model = make_model("llama", seed=1, attn_implementation="sdpa", use_cache=False, **fields).to(dtype).train()
@@ -276,3 +278,95 @@ def test_mini_sequence_compiled_bf16_within_upstream_bf16_error():
     compiled = errors(step_in(torch.bfloat16, torch.compile(loss_of, fullgraph=True), mini_sequence_chunk=48), ref)
     for ours, theirs in zip(compiled, upstream):
         assert ours <= 1.5 * theirs + 1e-4, (compiled, upstream)
+
+
+def _operator_calls(monkeypatch):
+    """How many times the mini-sequence operator's forward kernel ran (mini_sequence/compiled.py: it runs the chunks
+    through mlp.py's `_forward_chunks`, which a compiled training step calls nowhere else)."""
+    from transformers.mini_sequence import mlp
+
+    calls, forward_chunks = [0], mlp._forward_chunks
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return forward_chunks(*args, **kwargs)
+
+    monkeypatch.setattr(mlp, "_forward_chunks", counted)
+    return calls
+
+
+# Operator calls per step: each layer's block and the final norm; with checkpointing, the last layer's block once more
+# (inductor's partitioner recomputes the checkpointed layer's output, which the final norm's backward reads).
+@pytest.mark.parametrize("family,checkpointing,operators", [
+    ("llama", True, 4),  # each layer's MLP
+    ("gemma3_text", True, 4),  # each layer's MLP with its post-feedforward norm, one operator
+    ("qwen3_moe", False, 3),  # each layer's MoE block
+])
+def test_mini_sequence_blocks_are_one_operator_each_under_compile(monkeypatch, family, checkpointing, operators):
+    """Under torch.compile the mini-sequence MLP, MoE block and norms are each one `torch.library` operator of the
+    graph whose kernels run the eager chunks (mini_sequence/compiled.py): `fullgraph=True` trains, exact against the
+    eager unsplit step (uneven chunks, left padding), and every block went through the operator."""
+    ref = train_step(family, loss_of, checkpointing)
+    calls = _operator_calls(monkeypatch)
+    compiled = train_step(family, torch.compile(loss_of, fullgraph=True), checkpointing, mini_sequence_chunk=48)
+    assert calls[0] == operators, calls
+    assert_same_step(compiled, ref)
+
+
+def test_mini_sequence_operator_keeps_the_eager_memory(monkeypatch):
+    """The point of the operator: traced as checkpointed chunks, the compiled backward rebuilt every chunk of the MLP
+    before backpropagating through any (the whole sequence's intermediates live together); through the operator one
+    chunk at a time. Peak bytes above the step's start, torch.profiler's memory timeline (inductor's buffers
+    included), one layer with a wide MLP, 1024 tokens in chunks of 64: the operator's step must peak lower than the
+    same step traced as checkpointed chunks by at least two whole-sequence [1024, 1024] fp32 intermediates."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from transformers.mini_sequence import mlp
+
+    ids = torch.randint(1, 128, (1, 1024), generator=torch.Generator().manual_seed(0))
+
+    def peak(**patches):
+        for name, value in patches.items():
+            monkeypatch.setattr(mlp, name, value)
+        model = make_model("llama", seed=1, attn_implementation="sdpa", use_cache=False, num_hidden_layers=1,
+                           intermediate_size=1024, mini_sequence_chunk=64).train()
+        model.gradient_checkpointing_enable()
+        torch._dynamo.reset()
+        step = torch.compile(loss_of, fullgraph=True)
+        step(model, ids, None, ids).backward()  # compiles
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+            step(model, ids, None, ids).backward()
+        monkeypatch.undo()
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "timeline.json"
+            prof.export_memory_timeline(str(path), device="cpu")
+            _, sizes = json.loads(path.read_text())
+        totals = [sum(at) for at in sizes]
+        return max(totals) - totals[0]
+
+    calls = _operator_calls(monkeypatch)
+    through_operator = peak()
+    assert calls[0] == 2 * 3, calls  # two steps: the MLP, the final norm, the MLP's recompute (above)
+    as_checkpointed_chunks = peak(traced_chunks=lambda *args: None)
+    assert through_operator < as_checkpointed_chunks - 2 * 1024 * 1024 * 4, (through_operator, as_checkpointed_chunks)
+
+
+def test_mini_sequence_operators_pass_opcheck():
+    """torch.library.opcheck on the mini-sequence operator (schema, fake tensor, autograd registration) with a
+    registered MLP, as the compiled graph calls it. Not opcheck's AOT-dispatch test: it hands the operator copies of
+    the parameters, and the kernel computes with the module's own (the operator's inputs name them for autograd), so
+    its backward refuses them (mst_core/wrappers.py `check_graph_inputs`: a gradient would be lost)."""
+    from transformers.mini_sequence import compiled
+    from transformers.mst_core.custom_ops import module_key
+
+    model = make_model("llama", seed=1, mini_sequence_chunk=48).train()
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 100, model.config.hidden_size, requires_grad=True)
+    params = list(mlp.parameters())
+    text = f"@out=float32,{model.config.hidden_size}"
+    torch.library.opcheck(compiled.mini_sequence_chunks, (x, params, [module_key(mlp)], "mlp", 48, text),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -13,6 +13,7 @@ import contextlib
 import torch
 
 from ..mst_core.grads import linear_weight_grads_summed, summed_as_computed
+from .compiled import traced_chunks
 from ..mst_core.model_checks import foreign_forward
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_autocast_state, restore_rng_state
 from ..mst_core.router_logits import positions
@@ -106,63 +107,70 @@ class _MiniSequenceMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        modules = ctx.mlp if isinstance(ctx.mlp, tuple) else (ctx.mlp,)
-        where = f"mini-sequence {' + '.join(type(m).__name__ for m in modules)}"
-        refuse_create_graph(where)
         (x,) = ctx.input_node.saved_tensors
-        params = ctx.params
-        needs_x = ctx.needs_input_grad[0]
-        needs_param = ctx.needs_input_grad[5:]
-        wanted_params = [p for p, need in zip(params, needs_param) if need]
-        used = [i for i, grad in enumerate(grad_outs) if grad is not None]
-        if not used:  # nothing downstream used any output
-            return (None,) * (5 + len(params))
-        grad_x = torch.empty_like(x) if needs_x else None
-        # Parameter gradients are accumulated over chunks. For fp16/bf16 parameters the sum is
-        # kept in fp32 and rounded once at the end: the unsplit matmul also accumulates in fp32
-        # and rounds once, while a half-precision running sum rounds M times. Measured on a bf16
-        # LlamaMLP (d=64, I=256, S=512, chunk 16 -> M=32), relative-norm error of the weight
-        # grads vs an fp64 reference: unsplit bf16 5.2-5.4e-3, chunked with fp32 accumulator
-        # 5.5-5.6e-3, chunked with bf16 accumulator 8.7-8.8e-3. The fp32 buffer costs
-        # 2x the (half) parameter size, only while this layer's backward runs.
-        acc = [None] * len(wanted_params)
-        batch_shape = x.shape[:-2]
-
-        with torch.enable_grad(), restore_rng_state(ctx.rng_state, x.device), restore_autocast_state(
-            ctx.autocast_state
-        ), summed_as_computed(acc, wanted_params, ctx.fp32_sums):
-            for start, end in _chunk_bounds(x.shape[-2], ctx.chunk_size):
-                x_chunk = x[..., start:end, :].detach().requires_grad_(needs_x)
-                # Half-precision linear weights: their gradient goes into `acc` by one fp32-output GEMM per chunk
-                # where the backend has one (CUDA), not as a half product added into the fp32 sum. Without such a
-                # GEMM (the CPU) autograd's product and `summed_as_computed`'s add are as good, and cheaper.
-                linear_sums = linear_weight_grads_summed(acc, wanted_params, x) if ctx.fp32_sums else None
-                with linear_sums or contextlib.nullcontext():
-                    chunk_outs = _as_outputs(ctx.forward_fn(ctx.mlp, x_chunk))
-                inputs = ([x_chunk] if needs_x else []) + wanted_params
-                if start == 0:
-                    for i in used:
-                        check_graph_inputs(chunk_outs[i], [x_chunk, *params], where)
-                grads = torch.autograd.grad(
-                    [chunk_outs[i] for i in used],
-                    inputs,
-                    [_chunk_grad(grad_outs[i], i, batch_shape, start, end) for i in used],
-                    allow_unused=True,
-                )
-                # The parameters' gradients are zeros (their sums are in `acc`), or None for a weight whose every
-                # use was a linear layer taken over above: `_LinearIntoWeightSums` summed it.
-                taken = {id(wanted_params[i]) for i in getattr(linear_sums, "seen", ())}
-                kept = [(g, t) for g, t in zip(grads, inputs) if id(t) not in taken]
-                require_gradients([g for g, _ in kept], [t for _, t in kept], where)
-                del chunk_outs  # frees this chunk's graph before the next one is built
-                if needs_x:
-                    grad_x[..., start:end, :].copy_(grads[0])
-
-        param_grads = iter(
-            None if a is None else a.to(p.dtype) for a, p in zip(acc, wanted_params)
+        if not any(grad is not None for grad in grad_outs):  # nothing downstream used any output
+            return (None,) * (5 + len(ctx.params))
+        grad_x, param_grads = backward_chunks(
+            x, ctx.params, ctx.forward_fn, ctx.mlp, ctx.chunk_size, ctx.fp32_sums, grad_outs, ctx.needs_input_grad[0],
+            ctx.needs_input_grad[5:], ctx.rng_state, ctx.autocast_state,
         )
-        grads_all = [next(param_grads) if need else None for need in needs_param]
-        return (grad_x, None, None, None, None, *grads_all)
+        return (grad_x, None, None, None, None, *param_grads)
+
+
+def backward_chunks(x, params, forward_fn, mlp, chunk_size, fp32_sums, grad_outs, needs_x, needs_param, rng_state,
+                    autocast_state):
+    """The gradients of `_forward_chunks(forward_fn, mlp, x, chunk_size)` given its outputs' `grad_outs` (None for an
+    output nothing used): (x's gradient or None, [each parameter's gradient, None where `needs_param` says none]),
+    each chunk rebuilt from `x` under the forward's RNG and autocast states, backpropagated and freed before the
+    next. `_MiniSequenceMLPFunction`'s backward, and the compiled operator's (compiled.py)."""
+    modules = mlp if isinstance(mlp, tuple) else (mlp,)
+    where = f"mini-sequence {' + '.join(type(m).__name__ for m in modules)}"
+    refuse_create_graph(where)
+    wanted_params = [p for p, need in zip(params, needs_param) if need]
+    used = [i for i, grad in enumerate(grad_outs) if grad is not None]
+    grad_x = torch.empty_like(x) if needs_x else None
+    # Parameter gradients are accumulated over chunks. For fp16/bf16 parameters the sum is
+    # kept in fp32 and rounded once at the end: the unsplit matmul also accumulates in fp32
+    # and rounds once, while a half-precision running sum rounds M times. Measured on a bf16
+    # LlamaMLP (d=64, I=256, S=512, chunk 16 -> M=32), relative-norm error of the weight
+    # grads vs an fp64 reference: unsplit bf16 5.2-5.4e-3, chunked with fp32 accumulator
+    # 5.5-5.6e-3, chunked with bf16 accumulator 8.7-8.8e-3. The fp32 buffer costs
+    # 2x the (half) parameter size, only while this layer's backward runs.
+    acc = [None] * len(wanted_params)
+    batch_shape = x.shape[:-2]
+
+    with torch.enable_grad(), restore_rng_state(rng_state, x.device), restore_autocast_state(
+        autocast_state
+    ), summed_as_computed(acc, wanted_params, fp32_sums):
+        for start, end in _chunk_bounds(x.shape[-2], chunk_size):
+            x_chunk = x[..., start:end, :].detach().requires_grad_(needs_x)
+            # Half-precision linear weights: their gradient goes into `acc` by one fp32-output GEMM per chunk
+            # where the backend has one (CUDA), not as a half product added into the fp32 sum. Without such a
+            # GEMM (the CPU) autograd's product and `summed_as_computed`'s add are as good, and cheaper.
+            linear_sums = linear_weight_grads_summed(acc, wanted_params, x) if fp32_sums else None
+            with linear_sums or contextlib.nullcontext():
+                chunk_outs = _as_outputs(forward_fn(mlp, x_chunk))
+            inputs = ([x_chunk] if needs_x else []) + wanted_params
+            if start == 0:
+                for i in used:
+                    check_graph_inputs(chunk_outs[i], [x_chunk, *params], where)
+            grads = torch.autograd.grad(
+                [chunk_outs[i] for i in used],
+                inputs,
+                [_chunk_grad(grad_outs[i], i, batch_shape, start, end) for i in used],
+                allow_unused=True,
+            )
+            # The parameters' gradients are zeros (their sums are in `acc`), or None for a weight whose every
+            # use was a linear layer taken over above: `_LinearIntoWeightSums` summed it.
+            taken = {id(wanted_params[i]) for i in getattr(linear_sums, "seen", ())}
+            kept = [(g, t) for g, t in zip(grads, inputs) if id(t) not in taken]
+            require_gradients([g for g, _ in kept], [t for _, t in kept], where)
+            del chunk_outs  # frees this chunk's graph before the next one is built
+            if needs_x:
+                grad_x[..., start:end, :].copy_(grads[0])
+
+    summed = iter(None if a is None else a.to(p.dtype) for a, p in zip(acc, wanted_params))
+    return grad_x, [next(summed) if need else None for need in needs_param]
 
 
 def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward_fn=module_forward):
@@ -179,6 +187,9 @@ def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward
     if not torch.is_grad_enabled():
         # Inference: nothing is kept for backward, so a plain loop is enough.
         return _forward_chunks(forward_fn, mlp, hidden_states, chunk_size)
+    kind = {module_forward: "mlp", _call_module: "norm"}.get(forward_fn)
+    if kind is not None and (traced := traced_chunks(kind, (mlp,), hidden_states, chunk_size)) is not None:
+        return traced  # under torch.compile: one operator of the graph (compiled.py)
     params = function_parameters(mlp)
     if params is None:
         # A wrapper (ZeRO-3, FSDP, accelerate hooks) may swap the weights at call time: let
@@ -211,8 +222,11 @@ def mini_sequence_mlp_then_norm(mlp, norm, hidden_states: torch.Tensor, chunk_si
     every chunk once more: 3 passes a step instead of checkpointing's 2 (`SavedInput`). Chunked together only the
     MLP's input is saved, and the norm's fp32 intermediates exist one chunk at a time. Where the Function may not
     take the parameters (a wrapper's or hook's module, torch.compile, a forward that is not transformers'), upstream's
-    two calls run, the MLP still by mini-sequences through its own forward."""
+    two calls run, the MLP still by mini-sequences through its own forward. Under torch.compile both are one operator
+    of the graph (compiled.py) where they can be."""
     if hidden_states.shape[-2] > chunk_size and torch.is_grad_enabled():
+        if (traced := traced_chunks("mlp_then_norm", (mlp, norm), hidden_states, chunk_size)) is not None:
+            return traced
         mlp_params, norm_params = function_parameters(mlp), function_parameters(norm)
         if mlp_params is not None and norm_params is not None and foreign_forward(mlp) is None:
             return chunked_function(_mlp_then_norm, (mlp, norm), hidden_states, chunk_size, mlp_params + norm_params)

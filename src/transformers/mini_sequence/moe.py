@@ -25,6 +25,7 @@ import functools
 import torch
 
 from ..utils import output_capturing
+from .compiled import traced_chunks
 from .mlp import _as_outputs, _forward_chunks, chunked_function, module_forward
 from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook, own_router_collector, token_major
 from ..mst_core.wrappers import checkpointed_chunks, function_parameters
@@ -101,7 +102,10 @@ def mini_sequence_moe(block, hidden_states: torch.Tensor, chunk_size: int, token
     if beside is not None and params is not None:
         beside_params = function_parameters(beside)
         params = None if beside_params is None else params + beside_params
-    if not torch.is_grad_enabled():
+    modules, kind = (block,) if beside is None else (block, beside), "moe_flattened" if tokens_flattened else "moe"
+    if not recording and (traced := traced_chunks(kind, modules, hidden_states, chunk_size)) is not None:
+        outputs = (traced,)  # under torch.compile: one operator of the graph (compiled.py)
+    elif not torch.is_grad_enabled():
         outputs = _as_outputs(_forward_chunks(forward_fn, block, hidden_states, chunk_size))
     elif params is not None:
         # The expert weights' gradients are summed over the chunks in their own dtype, as autograd sums them without

@@ -62,7 +62,7 @@ def is_plain_parameter(param: torch.Tensor) -> bool:
     return type(param) is FakeTensor and getattr(param, "_is_param", False)
 
 
-def function_parameters(module: torch.nn.Module, harmless_hook=None) -> list | None:
+def function_parameters(module: torch.nn.Module, harmless_hook=None, traced=False) -> list | None:
     """The parameters of `module` that require grad, if a Function may take them as inputs; else None.
 
     None means some wrapper may change, at call time, which tensors the forward uses, or that torch.compile is
@@ -72,9 +72,10 @@ def function_parameters(module: torch.nn.Module, harmless_hook=None) -> list | N
     """
     if _module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks:
         return None
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not traced:
         # torch.compile cannot trace a Function whose backward calls autograd.grad (it would break the
-        # graph at every call); checkpointed chunks are traced as checkpoint regions instead.
+        # graph at every call); checkpointed chunks are traced as checkpoint regions instead, or a custom operator
+        # takes the parameters (`traced`: mini_sequence/compiled.py).
         return None
     for sub in module.modules():
         if _has_hooks(sub, harmless_hook):

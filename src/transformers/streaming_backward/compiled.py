@@ -32,12 +32,19 @@ break: `layer.decoder_layer_forward`).
 """
 
 import ast
-import contextlib
 import itertools
-import weakref
 
 import torch
 
+from ..mst_core.custom_ops import (
+    autocast_in_kernel,
+    autocast_text,
+    autograd_in_kernel,
+    can_run_eager_kernels,
+    module_key,
+    name_modules,
+    named_module,
+)
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.wrappers import is_plain_parameter
 from . import router
@@ -45,8 +52,6 @@ from .offload import offload_requested
 from .parts import returned
 
 
-_KEYS = itertools.count()
-_LAYERS = {}  # key -> (weak reference to the layer, the layer class's own forward)
 _TOKENS = itertools.count()
 _PENDING = {}  # token -> the state of a forward whose backward has not run yet
 
@@ -56,15 +61,15 @@ def register_layers(model) -> None:
     `streaming_backward_chunk` is set: streaming_backward/__init__.py, via mst_core/model_checks.py)."""
     from ..modeling_layers import GradientCheckpointingLayer
 
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer) and getattr(module, "_mst_streamed_key", None) is None:
-            # The class's forward as upstream's wrapper received it (modeling_layers: `wraps(forward)`).
-            forward = getattr(type(module).forward, "__wrapped__", None)
-            if forward is None:
-                continue
-            key = next(_KEYS)
-            module._mst_streamed_key = key
-            _LAYERS[key] = (weakref.ref(module), forward)
+    name_modules(
+        module for module in model.modules()
+        if isinstance(module, GradientCheckpointingLayer) and _class_forward(module) is not None
+    )
+
+
+def _class_forward(layer):
+    """The layer class's forward as upstream's wrapper received it (modeling_layers: `wraps(forward)`)."""
+    return getattr(type(layer).forward, "__wrapped__", None)
 
 
 def _encode(kwargs, device_type, router_logits=None):
@@ -85,10 +90,8 @@ def _encode(kwargs, device_type, router_logits=None):
             parts.append(f"{name}=c{value!r}")
         else:
             return None
-    for dev in dict.fromkeys([device_type, "cpu"]):
-        if torch.is_autocast_enabled(dev):
-            parts.append(f"@autocast={dev},{str(torch.get_autocast_dtype(dev)).removeprefix('torch.')}")
-    return tensors, ";".join(parts)
+    autocast = autocast_text(device_type)
+    return tensors, ";".join(parts + ([autocast] if autocast else []))
 
 
 def _decode(text, tensors):
@@ -111,41 +114,6 @@ def _decode(text, tensors):
         else:
             kwargs[name] = ast.literal_eval(spec[1:])
     return kwargs, autocast, router_logits
-
-
-_AUTOCAST_KEYS = [
-    key for key in ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastMPS") if hasattr(torch._C.DispatchKey, key)
-]
-
-
-@contextlib.contextmanager
-def _autocast_in_kernel(autocast):
-    """The autocast contexts the traced call was under, inside a custom operator's kernel, which runs with the
-    autocast dispatch keys excluded in thread-local state (nothing changes where there were none)."""
-    if not autocast:
-        yield
-        return
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for name in _AUTOCAST_KEYS:
-        exclude = exclude.remove(getattr(torch._C.DispatchKey, name))
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude))
-        for dev, dtype in autocast:
-            stack.enter_context(torch.autocast(dev, dtype=dtype))
-        yield
-
-
-@contextlib.contextmanager
-def _autograd_in_kernel():
-    """Autograd (and autocast, which the streamed backward restores itself) inside the backward operator's kernel: it
-    runs below autograd, with the autograd and autocast dispatch keys excluded and ADInplaceOrView included in
-    thread-local state, as a custom operator's kernel does; the streamed backward needs `torch.autograd.grad`."""
-    keys = torch._C.DispatchKey
-    include = torch._C._dispatch_tls_local_include_set()
-    if include.has(keys.ADInplaceOrView):
-        include = include.remove(keys.ADInplaceOrView)
-    with torch._C._ForceDispatchKeyGuard(include, torch._C.DispatchKeySet(keys.Undefined)):
-        yield
 
 
 class _State:
@@ -175,11 +143,10 @@ def streamed_layer(
     backward)."""
     from .layer import StreamedLayerFunction, prepared_call, skip_and_record_projections
 
-    layer_ref, forward = _LAYERS[key]
-    layer = layer_ref()
+    layer = named_module(key)
     kwargs, autocast, router_logits = _decode(text, tensors)
-    with _autocast_in_kernel(autocast):
-        streamed, _ = prepared_call(forward, layer, (hidden,), kwargs)
+    with autocast_in_kernel(autocast):
+        streamed, _ = prepared_call(_class_forward(layer), layer, (hidden,), kwargs)
         # The kernel runs outside the model's forward as upstream's collector sees it: told by the traced call.
         streamed.records_router_logits = router_logits is not None
         skip_and_record_projections(streamed, layer)
@@ -227,7 +194,7 @@ def streamed_layer_backward(
     streamed.mask = kwargs.pop("attention_mask", None)
     streamed.arguments = {name: kwargs[name] for name in state.argument_names}
     state.saved_tensors, state.params = (hidden,), tuple(params)
-    with _autograd_in_kernel():
+    with autograd_in_kernel():
         grads = StreamedLayerFunction.backward(state, grad, grad_router_logits if router_logits is not None else None)
     return [grads[0], *grads[3:]]
 
@@ -257,10 +224,8 @@ streamed_layer.register_autograd(_backward, setup_context=_setup_context)
 def traced_call(layer, args, kwargs):
     """While dynamo traces: the streamed layer's output as one `streamed_layer` operator in the graph, or None where
     the call cannot cross (see the module's docstring; the caller then runs it eagerly)."""
-    key = getattr(layer, "_mst_streamed_key", None)
-    if key is None or len(args) > 1 or offload_requested(layer) or not hasattr(torch._C, "_ForceDispatchKeyGuard"):
-        return None
-    if _LAYERS[key][0]() is not layer:  # a copy of a registered layer (copy.deepcopy copies its key)
+    key = module_key(layer)  # None for a copy of a registered layer (copy.deepcopy copies its key)
+    if key is None or len(args) > 1 or offload_requested(layer) or not can_run_eager_kernels():
         return None
     kwargs = dict(kwargs)
     hidden = args[0] if args else kwargs.pop("hidden_states", None)
