@@ -80,6 +80,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused_loss
+from .compiled import traced_loss
 from ..mst_core.grads import accumulate_grads, add_linear_weight_grad, add_product_fp32
 from ..mst_core.wrappers import (
     is_plain_parameter,
@@ -234,79 +235,15 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, labels, chunk_size, lm_head, softcap, ignore_index, vocab_size, divisor, *params):
-        needs_hidden = ctx.needs_input_grad[0]
         needs_param = ctx.needs_input_grad[8:]
         wanted_params = [p for p, need in zip(params, needs_param) if need]
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        # fp32 accumulation of half-precision parameter grads: rounded once, like the unsplit
-        # matmul (see mlp.py for the measurement).
-        acc = [None] * len(wanted_params)
-        weight = _manual_weight(lm_head, wanted_params, hidden.device.type)
-        if weight is not None:
-            half = weight.dtype in (torch.float16, torch.bfloat16)
-            weight_index = next(i for i, p in enumerate(wanted_params) if p is weight)
-            acc[weight_index] = torch.zeros_like(weight, dtype=torch.float32 if half else weight.dtype)
-        autograd_params = [p for p in wanted_params if p is not weight]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        divisor = divisor.to(hidden.device)
-        # d(loss) / d(sum of the token losses), in fp32 as upstream's division backward computes it; 0 for a
-        # divisor of 0 (see `divide_loss_sum`).
-        grad_scale = torch.where(divisor == 0, 0.0, torch.ones((), dtype=torch.float32, device=hidden.device) / divisor)
-
-        num_tokens = hidden.shape[0]
-        for start in range(0, num_tokens, chunk_size):
-            end = min(start + chunk_size, num_tokens)
-            saved = []  # storages the chunk's graph saves (held by the graph anyway)
-
-            def record_saved(tensor):
-                saved.append(tensor.untyped_storage())
-                return tensor
-
-            # Saved-tensor hooks that keep tensors as they are: this inner graph lives and dies
-            # here, so the hooks of an enclosing non-reentrant checkpoint must not pack it (each
-            # unpack by autograd.grad would re-run the whole checkpointed region: quadratic in the
-            # chunk count). They also tell whether the graph saved the logits themselves.
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record_saved, _keep):
-                h_chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
-                raw = lm_head(h_chunk)
-                logits = _check_vocab(_apply_softcap(raw, softcap), vocab_size)
-            if start == 0:
-                check_graph_inputs(logits, [h_chunk, *params], "mini-sequence LM-head loss")
-            # The logits' gradient overwrites the logits (one [C, V] buffer instead of two) unless
-            # the head's backward needs them (then autograd would refuse the modified tensor).
-            in_place = not any(storage is logits.untyped_storage() for storage in saved)
-            grad_logits = logits if in_place else torch.empty_like(logits)
-            with torch.no_grad():
-                chunk_sum = _cross_entropy_sum_and_grad(
-                    logits, labels[start:end], ignore_index, grad_scale.to(logits.device), grad_logits
-                )
-            total += chunk_sum.to(total.device)
-
-            inputs = ([h_chunk] if needs_hidden else []) + autograd_params
-            # Soft-capped: the weight gradient needs the gradient of the head's own output.
-            want_raw = weight is not None and raw is not logits
-            if want_raw:
-                inputs.append(raw)
-            grads = torch.autograd.grad(logits, inputs, grad_logits, allow_unused=True) if inputs else ()
-            require_gradients(grads, inputs, "mini-sequence LM-head loss")
-            if weight is not None:
-                grad_raw = grads[-1] if want_raw else grad_logits
-                add_linear_weight_grad(acc[weight_index], grad_raw, h_chunk.detach())
-                grads = grads[:-1] if want_raw else grads
-                del grad_raw
-            del raw, logits, grad_logits  # frees the chunk's [C, V] buffers before the next chunk
-            if needs_hidden:
-                grad_hidden[start:end].copy_(grads[0])
-                grads = grads[1:]
-            # Back to one entry per wanted parameter (None for the weight done above).
-            grads = iter(grads)
-            accumulate_grads(acc, [None if p is weight else next(grads) for p in wanted_params])
-
-        ctx.grad_hidden = grad_hidden
-        ctx.param_grads = acc
+        loss, ctx.grad_hidden, ctx.param_grads = loss_and_grads(
+            hidden, labels, chunk_size, lm_head, softcap, ignore_index, vocab_size, divisor, params, wanted_params,
+            ctx.needs_input_grad[0],
+        )
         ctx.param_dtypes = [p.dtype for p in wanted_params]
         ctx.needs_param = needs_param
-        return total / divisor  # the value only: backward uses the gradients scaled above
+        return loss  # the value only: backward uses the gradients scaled in the forward
 
     @staticmethod
     def backward(ctx, grad_total):
@@ -316,20 +253,97 @@ class _MiniSequenceLMLossFunction(torch.autograd.Function):
                 "mini-sequence LM loss: backward called twice; its precomputed gradients are "
                 "consumed by the first backward (retain_graph is not supported)."
             )
-        grad_hidden = ctx.grad_hidden
-        if grad_hidden is not None:
-            # In place: the stored [N, d] buffer becomes the returned gradient (no second copy).
-            grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
-        # In place too: for a bf16 Llama-3-8B head, `(g * grad_total)` would add a second fp32
-        # [V, d] buffer (2 GiB) next to the accumulator at the start of backward.
-        scaled = iter(
-            None if g is None else g.mul_(grad_total.to(g.dtype)).to(dtype)
-            for g, dtype in zip(ctx.param_grads, ctx.param_dtypes)
-        )
+        grad_hidden, scaled = scale_precomputed_grads(grad_total, ctx.grad_hidden, ctx.param_grads, ctx.param_dtypes)
+        scaled = iter(scaled)
         param_grads = [next(scaled) if need else None for need in ctx.needs_param]
         ctx.grad_hidden = None
         ctx.param_grads = None
         return (grad_hidden, None, None, None, None, None, None, None, *param_grads)
+
+
+def loss_and_grads(
+    hidden, labels, chunk_size, lm_head, softcap, ignore_index, vocab_size, divisor, params, wanted_params, needs_hidden
+):
+    """`_MiniSequenceLMLossFunction`'s forward: (the loss, the hidden states' gradient or None, the sums of the
+    gradients of `wanted_params`, fp32 for half precision), the gradients those of the loss sum scaled by
+    `1 / divisor`. `params` are all the head's parameters the caller's graph takes (`check_graph_inputs`)."""
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+    # fp32 accumulation of half-precision parameter grads: rounded once, like the unsplit
+    # matmul (see mlp.py for the measurement).
+    acc = [None] * len(wanted_params)
+    weight = _manual_weight(lm_head, wanted_params, hidden.device.type)
+    if weight is not None:
+        half = weight.dtype in (torch.float16, torch.bfloat16)
+        weight_index = next(i for i, p in enumerate(wanted_params) if p is weight)
+        acc[weight_index] = torch.zeros_like(weight, dtype=torch.float32 if half else weight.dtype)
+    autograd_params = [p for p in wanted_params if p is not weight]
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    divisor = divisor.to(hidden.device)
+    # d(loss) / d(sum of the token losses), in fp32 as upstream's division backward computes it; 0 for a
+    # divisor of 0 (see `divide_loss_sum`).
+    grad_scale = torch.where(divisor == 0, 0.0, torch.ones((), dtype=torch.float32, device=hidden.device) / divisor)
+
+    num_tokens = hidden.shape[0]
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        saved = []  # storages the chunk's graph saves (held by the graph anyway)
+
+        def record_saved(tensor):
+            saved.append(tensor.untyped_storage())
+            return tensor
+
+        # Saved-tensor hooks that keep tensors as they are: this inner graph lives and dies
+        # here, so the hooks of an enclosing non-reentrant checkpoint must not pack it (each
+        # unpack by autograd.grad would re-run the whole checkpointed region: quadratic in the
+        # chunk count). They also tell whether the graph saved the logits themselves.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record_saved, _keep):
+            h_chunk = hidden[start:end].detach().requires_grad_(needs_hidden)
+            raw = lm_head(h_chunk)
+            logits = _check_vocab(_apply_softcap(raw, softcap), vocab_size)
+        if start == 0:
+            check_graph_inputs(logits, [h_chunk, *params], "mini-sequence LM-head loss")
+        # The logits' gradient overwrites the logits (one [C, V] buffer instead of two) unless
+        # the head's backward needs them (then autograd would refuse the modified tensor).
+        in_place = not any(storage is logits.untyped_storage() for storage in saved)
+        grad_logits = logits if in_place else torch.empty_like(logits)
+        with torch.no_grad():
+            chunk_sum = _cross_entropy_sum_and_grad(
+                logits, labels[start:end], ignore_index, grad_scale.to(logits.device), grad_logits
+            )
+        total += chunk_sum.to(total.device)
+
+        inputs = ([h_chunk] if needs_hidden else []) + autograd_params
+        # Soft-capped: the weight gradient needs the gradient of the head's own output.
+        want_raw = weight is not None and raw is not logits
+        if want_raw:
+            inputs.append(raw)
+        grads = torch.autograd.grad(logits, inputs, grad_logits, allow_unused=True) if inputs else ()
+        require_gradients(grads, inputs, "mini-sequence LM-head loss")
+        if weight is not None:
+            grad_raw = grads[-1] if want_raw else grad_logits
+            add_linear_weight_grad(acc[weight_index], grad_raw, h_chunk.detach())
+            grads = grads[:-1] if want_raw else grads
+            del grad_raw
+        del raw, logits, grad_logits  # frees the chunk's [C, V] buffers before the next chunk
+        if needs_hidden:
+            grad_hidden[start:end].copy_(grads[0])
+            grads = grads[1:]
+        # Back to one entry per wanted parameter (None for the weight done above).
+        grads = iter(grads)
+        accumulate_grads(acc, [None if p is weight else next(grads) for p in wanted_params])
+
+    return total / divisor, grad_hidden, acc
+
+
+def scale_precomputed_grads(grad_total, grad_hidden, param_grads, param_dtypes, in_place=True):
+    """`loss_and_grads`' gradients times the loss's incoming gradient: (the hidden states', [each parameter's, in its
+    dtype]). In place: the stored [N, d] buffer becomes the returned gradient, and for a bf16 Llama-3-8B head
+    `(g * grad_total)` would add a second fp32 [V, d] buffer (2 GiB) next to the sum at the start of backward. A
+    compiled graph's backward (compiled.py) multiplies out of place, which inductor fuses with the rounding."""
+    mul = torch.Tensor.mul_ if in_place else torch.Tensor.mul
+    if grad_hidden is not None:
+        grad_hidden = mul(grad_hidden, grad_total.to(grad_hidden.dtype))
+    return grad_hidden, [mul(g, grad_total.to(g.dtype)).to(dtype) for g, dtype in zip(param_grads, param_dtypes)]
 
 
 # Rows of a vocabulary slice of `_VocabSlicedLMLossFunction`'s backward are a multiple of this (GEMM tiles; V=151936
@@ -380,78 +394,90 @@ class _VocabSlicedLMLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, labels, chunk_size, lm_head, softcap, ignore_index, divisor, weight):
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            end = min(start + chunk_size, hidden.shape[0])
-            logits = _apply_softcap(lm_head(hidden[start:end]), softcap)
-            # twice the blocks: log_softmax of a half-precision block holds two fp32 blocks at once, together a
-            # quarter of the chunk's bf16 logits' bytes
-            total += _cross_entropy_sum_and_grad(logits, labels[start:end], ignore_index, None, None, lse[start:end],
-                                                 row_blocks=2 * _ROW_BLOCKS_PER_CHUNK)
-            del logits
-        divisor = divisor.to(hidden.device)
-        ctx.save_for_backward(hidden, labels, lse, divisor)
+        loss, lse = sliced_loss(hidden, labels, chunk_size, lm_head, softcap, ignore_index, divisor)
+        ctx.save_for_backward(hidden, labels, lse, divisor.to(hidden.device))
         ctx.chunk_size, ctx.lm_head, ctx.softcap, ctx.ignore_index = chunk_size, lm_head, softcap, ignore_index
-        return total / divisor
+        return loss
 
     @staticmethod
     def backward(ctx, grad_total):
         refuse_create_graph("mini-sequence LM-head loss")
         hidden, labels, lse, divisor = ctx.saved_tensors
-        hidden = hidden.detach()
-        lm_head, softcap = ctx.lm_head, ctx.softcap
-        weight, bias = lm_head.weight.detach(), lm_head.bias
-        # d(loss) / d(each token's loss) in fp32, as upstream's division backward computes it; 0 for an ignored token
-        # and for a divisor of 0 (see `divide_loss_sum`).
-        scale = torch.where(divisor == 0, 0.0, grad_total.float() / divisor)
-        valid = labels != ctx.ignore_index
-        magnitude = torch.where(valid, scale.abs(), 0.0).unsqueeze(1)
-        # exp(logit - shift) is the softmax times |scale| (+inf where it is 0: a zero row), its sign applied when the
-        # gradient is rounded to half precision: two fewer fp32 passes over each slice than exp, then scale
-        shift = lse.unsqueeze(1) - magnitude.log()
-        sign = torch.sign(scale)
-        target = torch.where(valid, labels, -1)
-        needs_hidden = ctx.needs_input_grad[0]
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
-        grad_weight = torch.empty_like(weight)
-        tokens = hidden.shape[0]
-        slice_rows = _vocab_slice_rows(weight.shape[0], tokens, ctx.chunk_size, weight.shape[1])
-        block = max(1, -(-tokens // _ROW_BLOCKS_PER_CHUNK))  # fp32 rows at a time: a quarter of the slice's bytes
-        for first in range(0, weight.shape[0], slice_rows):
-            last = min(first + slice_rows, weight.shape[0])
-            weight_slice = weight[first:last]
-            bias_slice = None if bias is None else bias.detach()[first:last]
-            logits = raw = F.linear(hidden, weight_slice, bias_slice)  # [N, rows]
-            if softcap is not None:
-                with torch.enable_grad():
-                    logits = _apply_softcap(raw.requires_grad_(), softcap)
-            # Without a soft-cap the gradient overwrites the logits (each block is read before it is written).
-            grad = raw if softcap is None else torch.empty_like(raw)
-            # the targets in this slice, once per slice ([N, 1]): a block then costs its three [rows, slice] passes
-            in_slice = ((target >= first) & (target < last)).unsqueeze(1)
-            column = torch.where(in_slice, target.unsqueeze(1) - first, 0)
-            at_target = torch.where(in_slice, -magnitude, 0.0)
-            fused = fused_loss.applies(grad)
-            if fused and softcap is not None:
-                grad.copy_(logits.detach())
-            if not (fused and fused_loss.sliced_grad_(grad, shift, column, at_target, sign)):
-                for start in range(0, tokens, block):
-                    rows = slice(start, start + block)
-                    part = torch.sub(logits[rows].detach(), shift[rows]).exp_()  # fp32: half - fp32 promotes
-                    part.scatter_add_(1, column[rows], at_target[rows])
-                    torch.mul(part, sign, out=grad[rows])
-                    del part
-            if softcap is not None:
-                (grad,) = torch.autograd.grad(logits, raw, grad)
-            del raw, logits
-            torch.mm(grad.T, hidden, out=grad_weight[first:last])
-            if needs_hidden:
-                add_product_fp32(grad_hidden, grad, weight_slice)
-            del grad
-        if needs_hidden:
-            grad_hidden = grad_hidden.to(hidden.dtype)
+        grad_hidden, grad_weight = sliced_grads(
+            grad_total, hidden, labels, lse, divisor, ctx.lm_head, ctx.softcap, ctx.ignore_index, ctx.chunk_size,
+            ctx.needs_input_grad[0],
+        )
         return grad_hidden, None, None, None, None, None, None, grad_weight
+
+
+def sliced_loss(hidden, labels, chunk_size, lm_head, softcap, ignore_index, divisor):
+    """`_VocabSlicedLMLossFunction`'s forward: (the loss, each token's fp32 log-sum-exp [N])."""
+    lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = min(start + chunk_size, hidden.shape[0])
+        logits = _apply_softcap(lm_head(hidden[start:end]), softcap)
+        # twice the blocks: log_softmax of a half-precision block holds two fp32 blocks at once, together a
+        # quarter of the chunk's bf16 logits' bytes
+        total += _cross_entropy_sum_and_grad(logits, labels[start:end], ignore_index, None, None, lse[start:end],
+                                             row_blocks=2 * _ROW_BLOCKS_PER_CHUNK)
+        del logits
+    return total / divisor.to(hidden.device), lse
+
+
+def sliced_grads(grad_total, hidden, labels, lse, divisor, lm_head, softcap, ignore_index, chunk_size, needs_hidden):
+    """`_VocabSlicedLMLossFunction`'s backward: (the hidden states' gradient or None, the weight's)."""
+    hidden = hidden.detach()
+    weight, bias = lm_head.weight.detach(), lm_head.bias
+    # d(loss) / d(each token's loss) in fp32, as upstream's division backward computes it; 0 for an ignored token
+    # and for a divisor of 0 (see `divide_loss_sum`).
+    scale = torch.where(divisor == 0, 0.0, grad_total.float() / divisor)
+    valid = labels != ignore_index
+    magnitude = torch.where(valid, scale.abs(), 0.0).unsqueeze(1)
+    # exp(logit - shift) is the softmax times |scale| (+inf where it is 0: a zero row), its sign applied when the
+    # gradient is rounded to half precision: two fewer fp32 passes over each slice than exp, then scale
+    shift = lse.unsqueeze(1) - magnitude.log()
+    sign = torch.sign(scale)
+    target = torch.where(valid, labels, -1)
+    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
+    grad_weight = torch.empty_like(weight)
+    tokens = hidden.shape[0]
+    slice_rows = _vocab_slice_rows(weight.shape[0], tokens, chunk_size, weight.shape[1])
+    block = max(1, -(-tokens // _ROW_BLOCKS_PER_CHUNK))  # fp32 rows at a time: a quarter of the slice's bytes
+    for first in range(0, weight.shape[0], slice_rows):
+        last = min(first + slice_rows, weight.shape[0])
+        weight_slice = weight[first:last]
+        bias_slice = None if bias is None else bias.detach()[first:last]
+        logits = raw = F.linear(hidden, weight_slice, bias_slice)  # [N, rows]
+        if softcap is not None:
+            with torch.enable_grad():
+                logits = _apply_softcap(raw.requires_grad_(), softcap)
+        # Without a soft-cap the gradient overwrites the logits (each block is read before it is written).
+        grad = raw if softcap is None else torch.empty_like(raw)
+        # the targets in this slice, once per slice ([N, 1]): a block then costs its three [rows, slice] passes
+        in_slice = ((target >= first) & (target < last)).unsqueeze(1)
+        column = torch.where(in_slice, target.unsqueeze(1) - first, 0)
+        at_target = torch.where(in_slice, -magnitude, 0.0)
+        fused = fused_loss.applies(grad)
+        if fused and softcap is not None:
+            grad.copy_(logits.detach())
+        if not (fused and fused_loss.sliced_grad_(grad, shift, column, at_target, sign)):
+            for start in range(0, tokens, block):
+                rows = slice(start, start + block)
+                part = torch.sub(logits[rows].detach(), shift[rows]).exp_()  # fp32: half - fp32 promotes
+                part.scatter_add_(1, column[rows], at_target[rows])
+                torch.mul(part, sign, out=grad[rows])
+                del part
+        if softcap is not None:
+            (grad,) = torch.autograd.grad(logits, raw, grad)
+        del raw, logits
+        torch.mm(grad.T, hidden, out=grad_weight[first:last])
+        if needs_hidden:
+            add_product_fp32(grad_hidden, grad, weight_slice)
+        del grad
+    if needs_hidden:
+        grad_hidden = grad_hidden.to(hidden.dtype)
+    return grad_hidden, grad_weight
 
 
 def _can_use_linear_cross_entropy(lm_head, hidden, softcap, vocab_size) -> bool:
@@ -541,6 +567,11 @@ def mini_sequence_causal_lm_loss(
     # While torch.compile traces, `function_parameters` is None for every head, but a plain fp32 head (no hooks: the
     # check above) can still take torch's fused op, which compiles; the checkpointed chunks recompute the logits.
     if torch.is_grad_enabled() and params is None and not (use_linear_cross_entropy and torch.compiler.is_compiling()):
+        traced = traced_loss(
+            lm_head, hidden, flat_labels, divisor, chunk_size, final_logit_softcapping, ignore_index, vocab_size
+        )
+        if traced is not None:
+            return traced  # under torch.compile: one operator of the graph (compiled.py)
         # A wrapper (ZeRO-3, FSDP, accelerate hooks) may swap the head's weight at call time: let
         # autograd see each chunk's real forward, recomputing the chunk's logits in backward.
         head = raw_forward(lm_head)

@@ -16,6 +16,15 @@ import weakref
 
 import torch
 
+from .._mst_version import LOCAL_VERSION
+
+def op_name(name: str) -> str:
+    """The qualified name of our operator `name`, with this release in it: torch.compile's caches (AOTAutograd's and
+    inductor's, on disk) key a compiled graph on its operators' names, not on their Python autograd formulas, which are
+    traced into the compiled backward; one name per release keeps a graph compiled by an older release from running
+    with this one's kernels."""
+    return f"transformers_mst::{name}_{LOCAL_VERSION.replace('.', '')}"
+
 
 _KEYS = itertools.count()
 _MODULES = {}  # key -> weak reference to the module
@@ -66,7 +75,10 @@ _AUTOCAST_KEYS = [
 def autocast_in_kernel(autocast):
     """The autocast contexts [(device type, dtype)] the traced call was under, inside a custom operator's kernel,
     which runs with the autocast dispatch keys excluded in thread-local state (nothing changes where there were
-    none)."""
+    none). Without autocast's cache of casts: it keys on the tensor and lives until the user's outermost autocast
+    context exits, so a cast made here without graph would be handed to a backward kernel's recompute (and a chunk's
+    leaf's cast to the next chunk's leaf at the same address), which then got no gradient (measured: a compiled step
+    whose backward ran inside the user's autocast raised for a missing gradient)."""
     if not autocast:
         yield
         return
@@ -76,7 +88,7 @@ def autocast_in_kernel(autocast):
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude))
         for dev, dtype in autocast:
-            stack.enter_context(torch.autocast(dev, dtype=dtype))
+            stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=False))
         yield
 
 

@@ -3,10 +3,11 @@ graph break (`fullgraph=True` trains).
 
 Dynamo cannot trace the streamed layer itself: its forward inspects the mask on the host and stops the layer at the
 cache by raising, its backward takes `torch.autograd.grad` of each recomputed chunk. So the layer's call is a
-`torch.library` custom operator (`transformers_mst::streamed_layer_v1`), opaque to the compiler, whose kernel runs the
-eager streamed forward (layer.py's `StreamedLayerFunction.forward`) and whose registered backward is a second
-operator (`transformers_mst::streamed_layer_backward_v1`) running its backward. The compiled graph saves the layer input
-and the tensors of the call (mask, position embeddings) for that backward, as checkpointing saves the input.
+`torch.library` custom operator (`transformers_mst::streamed_layer_<release>`, mst_core/custom_ops.py `op_name`),
+opaque to the compiler, whose kernel runs the eager streamed forward (layer.py's `StreamedLayerFunction.forward`) and
+whose registered backward is a second operator (`streamed_layer_backward`) running its backward. The compiled graph
+saves the layer input and the tensors of the call (mask, position embeddings) for that backward, as checkpointing
+saves the input.
 
 What crosses the operator boundary: the hidden states, the call's other tensors, the layer's trainable parameters,
 an integer key naming the layer (`register_layers`, at model construction: a compiled graph cannot hold a module)
@@ -44,6 +45,7 @@ from ..mst_core.custom_ops import (
     module_key,
     name_modules,
     named_module,
+    op_name,
 )
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.wrappers import is_plain_parameter
@@ -134,7 +136,7 @@ def _router_logits_like(hidden, router_logits):
 # The operators' names carry their schema's version: inductor's on-disk cache of compiled graphs calls operators by
 # name, so a graph compiled against another schema must not find these. Bump it with any schema change.
 @torch.library.custom_op(
-    "transformers_mst::streamed_layer_v2", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+    op_name("streamed_layer"), mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
 )
 def streamed_layer(
     hidden: torch.Tensor, tensors: list[torch.Tensor], params: list[torch.Tensor], key: int, text: str
@@ -181,7 +183,7 @@ def _(hidden, tensors, params, key, text):
     return torch.empty_like(hidden), _router_logits_like(hidden, router_logits), token
 
 
-@torch.library.custom_op("transformers_mst::streamed_layer_backward_v2", mutates_args=())
+@torch.library.custom_op(op_name("streamed_layer_backward"), mutates_args=())
 def streamed_layer_backward(
     grad: torch.Tensor, grad_router_logits: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor,
     tensors: list[torch.Tensor], params: list[torch.Tensor], text: str,
