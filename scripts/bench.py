@@ -370,10 +370,12 @@ def sweep_compile(args, device):
             for name, method in methods.items():
                 eager = trainee(args.family, method, seq, device, args.dtype)
                 eager.step()  # AdamW's states
+                eager_time = statistics.median(eager.timed_step() for _ in range(args.repeats))
                 eager_peak = peak_above_start_bytes(eager)
                 del eager
                 rows.append({"family": args.family, "seq_len": seq, "method": name, "graph_breaks": breaks[name][0],
                              "first_loss": round(breaks[name][1], 6), "step_time_s": statistics.median(times[name]),
+                             "speed_vs_eager": round(eager_time / statistics.median(times[name]), 3),
                              "peak_MiB": round(peaks[name] / MIB, 1), "eager_peak_MiB": round(eager_peak / MIB, 1),
                              "peak_vs_eager": round(peaks[name] / eager_peak, 3)})
     for r in rows:
@@ -838,10 +840,13 @@ def main(argv=None):
         header = header.replace(" (live tensor bytes + weights and optimizer states)", "")
         header = header.replace("time = median", "model.compile(); graph_breaks: dynamo's count at the compiling step; "
                                 "speed_vs_unset: the compiled unset_reference step time over this one (>1: faster); "
+                                "speed_vs_eager: the same method's eager step time over this one (timed after the "
+                                "compiled steps, median of as many); "
                                 "peak_MiB / eager_peak_MiB: bytes allocated during one step above its start, compiled / "
                                 "the same method eager (CPU: torch.profiler's memory timeline, inductor's buffers "
                                 "included); time = median")
-        write(rows, args.out, f"compile_{args.family}", header)
+        suffix = "" if args.dtype == torch.float32 else f"_{str(args.dtype).removeprefix('torch.')}"
+        write(rows, args.out, f"compile_{args.family}{suffix}", header)
     elif args.sweep == "families":
         rows = sweep_families(args, device)
         write(rows, args.out, "families", header)
