@@ -36,6 +36,7 @@ import functools
 import torch
 
 from ..mst_core.custom_ops import (
+    autocast_entry,
     autocast_in_kernel,
     autocast_text,
     autograd_in_kernel,
@@ -87,8 +88,7 @@ def _decode(text):
     for part in filter(None, text.split(";")):
         name, spec = part.split("=", 1)
         if name == "@autocast":
-            dev, dtype = spec.split(",")
-            autocast.append((dev, getattr(torch, dtype)))
+            autocast.append(autocast_entry(spec))
         elif name == "@out":
             dtype, width = spec.split(",")
             out_dtype, out_width = getattr(torch, dtype), int(width)
@@ -171,7 +171,7 @@ def _(grad, x, params, keys, kind, chunk_size, text, needs_x):
 
 def _setup_context(ctx, inputs, output):
     x, params, keys, kind, chunk_size, text = inputs
-    ctx.keys, ctx.kind, ctx.chunk_size, ctx.text, ctx.count = keys, kind, chunk_size, text, len(params)
+    ctx.keys, ctx.kind, ctx.chunk_size, ctx.text = keys, kind, chunk_size, text
     ctx.save_for_backward(x, *params)
 
 

@@ -58,12 +58,18 @@ def can_run_eager_kernels() -> bool:
 
 
 def autocast_text(device_type: str) -> str:
-    """The autocast contexts in force, as text an operator can take (`autocast_states` reads it back)."""
+    """The autocast contexts in force, as text an operator can take (`autocast_entry` reads each entry back)."""
     parts = []
     for dev in dict.fromkeys([device_type, "cpu"]):
         if torch.is_autocast_enabled(dev):
             parts.append(f"@autocast={dev},{str(torch.get_autocast_dtype(dev)).removeprefix('torch.')}")
     return ";".join(parts)
+
+
+def autocast_entry(spec: str):
+    """(device type, dtype) from one `@autocast=` entry's value, as `autocast_text` wrote it."""
+    dev, dtype = spec.split(",")
+    return dev, getattr(torch, dtype)
 
 
 _AUTOCAST_KEYS = [

@@ -38,6 +38,7 @@ import itertools
 import torch
 
 from ..mst_core.custom_ops import (
+    autocast_entry,
     autocast_in_kernel,
     autocast_text,
     autograd_in_kernel,
@@ -106,8 +107,7 @@ def _decode(text, tensors):
             experts, dtype = spec.split(",")
             router_logits = int(experts), getattr(torch, dtype)
         elif name == "@autocast":
-            dev, dtype = spec.split(",")
-            autocast.append((dev, getattr(torch, dtype)))
+            autocast.append(autocast_entry(spec))
         elif spec[0] == "t":
             kwargs[name] = tensors[int(spec[1:])]
         elif spec[0] == "u":
@@ -133,8 +133,8 @@ def _router_logits_like(hidden, router_logits):
     return hidden.new_empty(hidden.shape[0] * hidden.shape[1], experts, dtype=dtype)
 
 
-# The operators' names carry their schema's version: inductor's on-disk cache of compiled graphs calls operators by
-# name, so a graph compiled against another schema must not find these. Bump it with any schema change.
+# The operators' names carry the release (`op_name`): torch.compile's on-disk caches call operators by name, so a
+# graph compiled by another release, against another schema or autograd formula, must not find these.
 @torch.library.custom_op(
     op_name("streamed_layer"), mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
 )
