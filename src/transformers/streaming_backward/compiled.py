@@ -143,19 +143,17 @@ def streamed_layer(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the layer's output, its router logits or an empty tensor, a token naming this call's state for its
     backward)."""
-    from .layer import StreamedLayerFunction, prepared_call, skip_and_record_projections
-
     layer = named_module(key)
     kwargs, autocast, router_logits = _decode(text, tensors)
     with autocast_in_kernel(autocast):
-        streamed, _ = prepared_call(_class_forward(layer), layer, (hidden,), kwargs)
+        streamed, function = _prepared_call(layer, hidden, kwargs)
         # The kernel runs outside the model's forward as upstream's collector sees it: told by the traced call.
         streamed.records_router_logits = router_logits is not None
-        skip_and_record_projections(streamed, layer)
         state = _State()
+        state.call, state.function = streamed, function
         state.needs_input_grad = (True, False, False) + (True,) * len(params)
         with torch.no_grad():
-            out = StreamedLayerFunction.forward(state, hidden, streamed, None, *params)
+            out = function.forward(state, hidden, streamed, None, *params)
     logits = _router_logits_like(hidden, router_logits)
     if router_logits is not None:
         out, recorded = out
@@ -170,7 +168,9 @@ def streamed_layer(
     # The tensors come back with the backward (saved by the compiled graph): keep only host-side state here.
     state.saved_tensors, state.params = None, None
     state.argument_names = list(streamed.arguments)  # the call's arguments the chunks get (flash ones taken out)
-    streamed.mask, streamed.arguments = None, {}
+    streamed.arguments = {}
+    if hasattr(streamed, "mask"):
+        streamed.mask = None
     token = next(_TOKENS)
     _PENDING[token] = state
     return out, logits, torch.tensor(token, dtype=torch.int64)
@@ -188,16 +188,25 @@ def streamed_layer_backward(
     grad: torch.Tensor, grad_router_logits: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor,
     tensors: list[torch.Tensor], params: list[torch.Tensor], text: str,
 ) -> list[torch.Tensor]:
-    from .layer import StreamedLayerFunction
-
     state = _PENDING.pop(int(token))
     kwargs, _, router_logits = _decode(text, tensors)
-    streamed = state.streamed
-    streamed.mask = kwargs.pop("attention_mask", None)
+    streamed = state.call
+    if hasattr(streamed, "mask"):
+        streamed.mask = kwargs.pop(streamed.mask_name, None)
     streamed.arguments = {name: kwargs[name] for name in state.argument_names}
     state.saved_tensors, state.params = (hidden,), tuple(params)
     with autograd_in_kernel():
-        grads = StreamedLayerFunction.backward(state, grad, grad_router_logits if router_logits is not None else None)
+        grads = state.function.backward(state, grad, grad_router_logits if router_logits is not None else None)
+    if any(g is None for g in grads[3:]):
+        # The eager Functions give no gradient to the parameters of module-list entries the call never ran (as
+        # upstream's step gives them none: wrappers.noting_uncalled_parameters); this operator returns a tensor for
+        # each parameter the graph traced.
+        raise RuntimeError(
+            f"{STREAMING_FIELD} under torch.compile: a trainable parameter of {type(streamed.layer).__name__} got no "
+            "gradient because its module never ran in this step (e.g. a LoRA adapter on a module whose weight the "
+            "layer reads without calling it); the compiled graph expects one. Train that layer without "
+            "torch.compile, or freeze the parameters of modules it does not call."
+        )
     return [grads[0], *grads[3:]]
 
 
@@ -221,6 +230,26 @@ def _backward(ctx, grad, grad_router_logits, grad_token):
 
 
 streamed_layer.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _prepared_call(layer, hidden, kwargs):
+    """(the streamed call, the autograd Function whose forward and backward the kernels run) for `layer`: a recurrent
+    layer's `RecurrentCall` (recurrent.py) or an attention layer's `StreamedCall` (layer.py)."""
+    from . import recurrent
+    from .layer import (
+        StreamedLayerFunction,
+        prepared_call,
+        prepared_recurrent_call,
+        skip_and_record_projections,
+        streams_through_states,
+    )
+
+    if streams_through_states(layer):
+        call, _ = prepared_recurrent_call(_class_forward(layer), layer, (hidden,), kwargs)
+        return call, recurrent.StreamedRecurrentFunction
+    streamed, _ = prepared_call(_class_forward(layer), layer, (hidden,), kwargs)
+    skip_and_record_projections(streamed, layer)
+    return streamed, StreamedLayerFunction
 
 
 def traced_call(layer, args, kwargs):
@@ -253,6 +282,10 @@ def traced_call(layer, args, kwargs):
     if encoded is None:
         return None
     tensors, text = encoded
+    if any(tensor.requires_grad for tensor in tensors):
+        # The operator differentiates the hidden states and the parameters only: another input that requires grad
+        # (Zamba2's embeddings joined to a hybrid layer's input, Gemma-4's per-layer input) runs eagerly.
+        return None
     out, logits, _ = streamed_layer(hidden, tensors, params, key, text)
     out = router.hand_over((out, logits) if router_logits is not None else out)
     return returned(layer, out)

@@ -483,17 +483,24 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     (Nemotron-H's) by chunks of tokens with no state (recurrent.py)."""
     if parts.inside_a_layer(layer):  # a decoder layer inside a streamed one's chunk: neither streamed nor checkpointed
         return forward(layer, *args, **kwargs)
-    if parts.mixer_beside_attention(layer) is not None:  # both seams in one layer: the eager call (one graph break)
-        return _eager_forward(forward, layer, *args, **kwargs)
-    if parts.recurrent_mixer(layer) is not None or parts.positionwise_mixer(layer) is not None:
-        return _recurrent_eager_forward(forward, layer, *args, **kwargs)
     if torch.compiler.is_compiling():
         from . import compiled
 
         out = compiled.traced_call(layer, args, kwargs)
         if out is not None:
             return out
+    if streams_through_states(layer):
+        return _recurrent_eager_forward(forward, layer, *args, **kwargs)
     return _eager_forward(forward, layer, *args, **kwargs)
+
+
+def streams_through_states(layer) -> bool:
+    """Whether `layer` streams by chunks of tokens through its recurrent state (recurrent.py; no state for a block
+    that mixes no tokens), not by query chunks meeting the K/V cache (`StreamedCall`, with a mixer beside its attention
+    carrying states too: Falcon-H1's)."""
+    if parts.mixer_beside_attention(layer) is not None:
+        return False
+    return parts.recurrent_mixer(layer) is not None or parts.positionwise_mixer(layer) is not None
 
 
 def _bound_arguments(forward, layer, args, kwargs):
@@ -541,12 +548,20 @@ def skip_and_record_projections(streamed, layer):
     )
 
 
-@torch.compiler.disable(reason="streaming_backward_chunk: a streamed recurrent layer runs eagerly (recurrent.py)")
-def _recurrent_eager_forward(forward, layer, *args, **kwargs):
+def prepared_recurrent_call(forward, layer, args, kwargs):
+    """(the `recurrent.RecurrentCall` of this call, its hidden states), after the checks of a streamed call."""
     arguments, cache_name, given = _bound_arguments(forward, layer, args, kwargs)
     recurrent.check_cache_has_no_state(layer, given)
     hidden_states = arguments.pop("hidden_states")
-    return recurrent.recurrent_forward(forward, layer, hidden_states, arguments, cache_name)
+    return recurrent.prepared_call(forward, layer, hidden_states, arguments, cache_name), hidden_states
+
+
+@torch.compiler.disable(reason="streaming_backward_chunk: a streamed recurrent layer runs eagerly inside a compiled model")
+def _recurrent_eager_forward(forward, layer, *args, **kwargs):
+    """The streamed call of a recurrent layer run eagerly; under torch.compile where compiled.py's operator does not
+    apply (one graph break)."""
+    call, hidden_states = prepared_recurrent_call(forward, layer, args, kwargs)
+    return parts.returned(layer, router.hand_over(recurrent.streamed_outputs(call, layer, hidden_states)))
 
 
 @torch.compiler.disable(reason="streaming_backward_chunk: a streamed layer runs eagerly inside a compiled model")

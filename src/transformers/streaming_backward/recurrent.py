@@ -37,7 +37,7 @@ from . import router
 from .checks import check_captured_outputs
 from .config import streaming_chunk_size
 from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
-from .parts import layer_config, positionwise_mixer, recurrent_mixer, returned
+from .parts import layer_config, positionwise_mixer, recurrent_mixer
 from .rows import slice_rows
 from .wrappers import layer_parameters, noting_uncalled_parameters, parameter_grads
 
@@ -276,16 +276,15 @@ def _forward_with_checkpoints(call, x):
     return (out, token_major(logits, (call.batch,))) if logits else out
 
 
-def recurrent_forward(forward, layer, hidden_states, arguments, cache_name):
-    """The streamed training forward of a recurrent decoder layer (layer.py's `decoder_layer_forward` sends it here):
-    its output, the router logits (if recorded) handed to the model's collector (router.py)."""
+def prepared_call(forward, layer, hidden_states, arguments, cache_name):
+    """The `RecurrentCall` of this call (`arguments`: by name, without the hidden states and the cache), after the
+    checks of a streamed call."""
     collector = router.model_collector()
     check_captured_outputs(layer, collector)
-    call = RecurrentCall(forward, layer, arguments, cache_name, hidden_states, router.recording(collector))
-    return returned(layer, router.hand_over(_streamed_outputs(call, layer, hidden_states)))
+    return RecurrentCall(forward, layer, arguments, cache_name, hidden_states, router.recording(collector))
 
 
-def _streamed_outputs(call, layer, hidden_states):
+def streamed_outputs(call, layer, hidden_states):
     """The layer's output, or (output, router logits), by the Function or the wrappers' fallback."""
     params = layer_parameters(layer, mixer=recurrent_mixer(layer) or positionwise_mixer(layer))
     storage = input_storage(layer)

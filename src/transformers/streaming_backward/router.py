@@ -25,7 +25,12 @@ HANDLED_OUTPUTS = ("hidden_states", "_hidden_states_layers", ROUTER_LOGITS)
 
 def model_collector():
     """The running model forward's output collector, or None (read once per streamed layer call)."""
-    return output_capturing._active_collector.get()
+    variable = output_capturing._active_collector
+    if torch.compiler.is_compiling() and not variable.compiling:
+        # Dynamo cannot read the ContextVar; a model forward that records outputs set the variable while being traced
+        # (`compiling`). One that did not (Mamba2's records none) has no collector.
+        return None
+    return variable.get()
 
 
 def recording(collector) -> bool:
