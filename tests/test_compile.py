@@ -166,6 +166,31 @@ def test_streamed_operator_takes_no_other_input_that_requires_grad():
     assert compiled.traced_call(model.model.layers[0], (hidden,), arguments) is None
 
 
+def test_compiled_streamed_layer_gives_zeros_to_parameters_of_uncalled_modules():
+    """Jamba's Mamba mixer reads `dt_proj.weight` without calling the module, so a LoRA adapter on `dt_proj` gets no
+    gradient in upstream's step and in the eager streamed one. The compiled operator returns a tensor per parameter:
+    zeros for those (every other adapter as in the eager streamed step, which equals upstream's). Only adapters after
+    the conv train here, so the conv states carried between chunks have no graph: until mst.39 the streamed backward
+    raised on them ("element 1 of tensors does not require grad"), eagerly too."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora_step(step, **fields):
+        model = make_model("jamba", seed=1, use_cache=False, attn_implementation="sdpa", **fields).train()
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["dt_proj", "x_proj"], lora_dropout=0.0))
+        torch._dynamo.reset()
+        step(model, *batch()).backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+    unset = lora_step(loss_of)
+    eager = lora_step(loss_of, streaming_backward_chunk=48)
+    compiled = lora_step(torch.compile(loss_of, fullgraph=True), streaming_backward_chunk=48)
+    uncalled = [name for name in eager if "dt_proj.lora" in name]
+    assert uncalled and all(unset[name] is None and eager[name] is None and not compiled[name].any() for name in uncalled)
+    called = [name for name in eager if "x_proj.lora" in name]
+    assert called and all(rel_err(eager[name], unset[name]) < 1e-5 for name in called)
+    assert all(rel_err(compiled[name], eager[name]) < 1e-5 for name in called)
+
+
 def test_hybrid_with_eager_layer_calls_under_compile_is_exact():
     """Zamba2 under torch.compile: its layers are called with positional arguments (and its hybrid layers take the
     embeddings, which require grad), so each call runs eagerly, one graph break each; exact against the eager unsplit

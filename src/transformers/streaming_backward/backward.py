@@ -183,8 +183,9 @@ class LayerBackward:
                 outs = streamed.call(x_chunk, index, cache, rows, seam) or ()
             inputs = [*([x_chunk] if needs_x else []), *(rows[name] for name in self.row_grads), *wanted]
             if seam is not None and (own_keys_values or index not in streamed.blind):
-                end_targets = [(state, grad) for state, grad in
-                               zip(seam.end_states(), self.end_grads.pop(index, (None, None))) if grad is not None]
+                # (an end state without graph: nothing to backpropagate, as recurrent.py says)
+                end_targets = [(state, grad) for state, grad in zip(seam.end_states(), self.end_grads.pop(index, (None, None)))
+                               if grad is not None and state.requires_grad]
             if not self.checked:
                 given = [x_chunk, *rows.values(), *(cache.leaves or []), *state_leaves, *self.params]
                 for tensor in [*outs, cache.keys, cache.values]:

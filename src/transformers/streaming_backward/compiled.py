@@ -197,17 +197,11 @@ def streamed_layer_backward(
     state.saved_tensors, state.params = (hidden,), tuple(params)
     with autograd_in_kernel():
         grads = state.function.backward(state, grad, grad_router_logits if router_logits is not None else None)
-    if any(g is None for g in grads[3:]):
-        # The eager Functions give no gradient to the parameters of module-list entries the call never ran (as
-        # upstream's step gives them none: wrappers.noting_uncalled_parameters); this operator returns a tensor for
-        # each parameter the graph traced.
-        raise RuntimeError(
-            f"{STREAMING_FIELD} under torch.compile: a trainable parameter of {type(streamed.layer).__name__} got no "
-            "gradient because its module never ran in this step (e.g. a LoRA adapter on a module whose weight the "
-            "layer reads without calling it); the compiled graph expects one. Train that layer without "
-            "torch.compile, or freeze the parameters of modules it does not call."
-        )
-    return [grads[0], *grads[3:]]
+    # The eager Functions give no gradient to the parameters of module-list entries the call never ran, as upstream's
+    # step gives them none (wrappers.noting_uncalled_parameters: a LoRA adapter on Mamba's `dt_proj`, whose weight the
+    # mixer reads without calling it); any other missing one raised above. An operator returns a tensor for each
+    # parameter the graph traced: zeros for those (docs/limits.md).
+    return [grads[0], *(torch.zeros_like(p) if g is None else g for g, p in zip(grads[3:], params))]
 
 
 @streamed_layer_backward.register_fake

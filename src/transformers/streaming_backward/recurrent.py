@@ -228,7 +228,9 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                         logit_rows = positions(grad_router_logits.contiguous(), (call.batch,))[:, start:end]
                         seeds.append(logit_rows.reshape(logits.shape))
                     for state, grad in zip(seam.end_states(), end_grads):
-                        if grad is not None:
+                        # An end state without graph depends on nothing that takes a gradient here (a conv state of
+                        # frozen projections' outputs, with adapters only after the conv): nothing to backpropagate.
+                        if grad is not None and state.requires_grad:
                             outputs.append(state)
                             seeds.append(grad)
                     state_leaves = [leaf for leaf in leaves if leaf is not None]
