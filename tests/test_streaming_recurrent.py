@@ -553,6 +553,38 @@ def test_peft_lora_on_every_linear_layer(family, streamed_calls):
     _assert_close(got, want, in_fp64)
 
 
+# LoRA on projections after the mixers' conv only (and the MLPs'), the base weights frozen: the first layer's input and
+# its mixer's input projection need no gradient, so the conv and recurrent states it carries from chunk to chunk have no
+# graph. Mamba2's one projection after its conv is `out_proj`, which PEFT refuses on Mamba-based models.
+AFTER_THE_CONV = ["gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "x_proj", "o_proj", "input_linear",
+                  "output_linear"]
+
+
+@pytest.mark.parametrize("family", sorted(f for f in RECURRENT_FAMILIES if f != "mamba2"))
+def test_peft_lora_after_the_conv_only(family, streamed_calls):
+    """The loss and every adapter's gradient as with the field unset, where the carried states have no graph in the
+    first layer (AFTER_THE_CONV). Until 5.24.0+mst.39 the streamed backward handed such an end state to
+    `autograd.grad` with the next chunk's gradient for it, which raised ("element 1 of tensors does not require grad"):
+    this test failed for 13 of these 15 families (all but Mamba and FalconMamba), and LoRA on the MLP projections
+    alone for 8 (Qwen3.5, Qwen3.5-MoE and Qwen3-Next among them)."""
+    import peft
+    batches = [_batch(family=family)]
+    targets = AFTER_THE_CONV + (["out_proj"] if family == "lfm2_moe" else [])  # its conv's `out_proj`: no MLP to adapt
+
+    def step(chunk):
+        model = make_model(family, streaming_backward_chunk=chunk).train()
+        config = peft.LoraConfig(r=4, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
+        return _step_on(peft.get_peft_model(model, config), batches)
+
+    (got_loss, got), (want_loss, want) = step(7), step(None)
+    assert streamed_calls and want and all(".lora_" in name for name in want)
+    assert [name for name, grad in got.items() if grad is None] == [n for n, grad in want.items() if grad is None]
+    assert _relative(got_loss, want_loss) < RTOL
+    for name, grad in want.items():
+        if grad is not None:
+            assert _relative(got[name], grad) < RTOL, name
+
+
 def test_recurrent_layers_refuse_other_missing_gradients(monkeypatch):
     """The recurrent layers' Function exempts the same parameters only: with nothing noted as uncalled, Jamba's Mamba
     layers with LoRA on `in_proj` and `dt_proj` (whose weight the mixer reads without calling it: its adapters get no
