@@ -183,8 +183,9 @@ class LayerBackward:
                 outs = streamed.call(x_chunk, index, cache, rows, seam) or ()
             inputs = [*([x_chunk] if needs_x else []), *(rows[name] for name in self.row_grads), *wanted]
             if seam is not None and (own_keys_values or index not in streamed.blind):
-                # (an end state without graph: nothing to backpropagate, as recurrent.py says)
-                end_targets = [(state, grad) for state, grad in zip(seam.end_states(), self.end_grads.pop(index, (None, None)))
+                # An end state without graph has nothing to backpropagate (recurrent.py's backward says why).
+                end_grads = self.end_grads.pop(index, (None, None))
+                end_targets = [(state, grad) for state, grad in zip(seam.end_states(), end_grads)
                                if grad is not None and state.requires_grad]
             if not self.checked:
                 given = [x_chunk, *rows.values(), *(cache.leaves or []), *state_leaves, *self.params]

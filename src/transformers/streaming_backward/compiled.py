@@ -4,7 +4,8 @@ graph break (`fullgraph=True` trains).
 Dynamo cannot trace the streamed layer itself: its forward inspects the mask on the host and stops the layer at the
 cache by raising, its backward takes `torch.autograd.grad` of each recomputed chunk. So the layer's call is a
 `torch.library` custom operator (`transformers_mst::streamed_layer_<release>`, mst_core/custom_ops.py `op_name`),
-opaque to the compiler, whose kernel runs the eager streamed forward (layer.py's `StreamedLayerFunction.forward`) and
+opaque to the compiler, whose kernel runs the eager streamed forward (layer.py's `StreamedLayerFunction.forward`; for a
+layer that streams through its recurrent state, recurrent.py's `StreamedRecurrentFunction.forward`, since mst.39) and
 whose registered backward is a second operator (`streamed_layer_backward`) running its backward. The compiled graph
 saves the layer input and the tensors of the call (mask, position embeddings) for that backward, as checkpointing
 saves the input.
@@ -28,8 +29,11 @@ dtype the hidden states' or autocast's; the kernel checks both.
 
 Only where the whole call can cross: a registered layer (not a deep copy of one), plain parameters (no FSDP/ZeRO-3
 views), no input offload, no outputs recorded inside the layer but router logits of one router with a 2-D weight,
-arguments that are tensors, tuples of tensors or constants; otherwise the call runs eagerly as before (one graph
-break: `layer.decoder_layer_forward`).
+the hidden states as the only positional argument, keyword arguments that are tensors (none requiring grad: the
+operator differentiates the hidden states and the parameters only), tuples of tensors or constants; otherwise the call
+runs eagerly as before (one graph break: `layer.decoder_layer_forward`). The parameters of modules the call never ran
+get zeros from the operator's backward (the eager Functions give them none, as upstream does: an operator returns a
+tensor for each parameter the graph traced).
 """
 
 import ast
@@ -119,7 +123,7 @@ def _decode(text, tensors):
 
 
 class _State:
-    """What `StreamedLayerFunction` keeps on its ctx between forward and backward."""
+    """What the streamed Function keeps on its ctx between forward and backward."""
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
@@ -169,7 +173,7 @@ def streamed_layer(
     state.saved_tensors, state.params = None, None
     state.argument_names = list(streamed.arguments)  # the call's arguments the chunks get (flash ones taken out)
     streamed.arguments = {}
-    if hasattr(streamed, "mask"):
+    if hasattr(streamed, "mask"):  # an attention layer's `StreamedCall` (a `RecurrentCall` has none)
         streamed.mask = None
     token = next(_TOKENS)
     _PENDING[token] = state

@@ -556,7 +556,7 @@ def prepared_recurrent_call(forward, layer, args, kwargs):
     return recurrent.prepared_call(forward, layer, hidden_states, arguments, cache_name), hidden_states
 
 
-@torch.compiler.disable(reason="streaming_backward_chunk: a streamed recurrent layer runs eagerly inside a compiled model")
+@torch.compiler.disable(reason="streaming_backward_chunk: a streamed recurrent layer runs eagerly in a compiled model")
 def _recurrent_eager_forward(forward, layer, *args, **kwargs):
     """The streamed call of a recurrent layer run eagerly; under torch.compile where compiled.py's operator does not
     apply (one graph break)."""
