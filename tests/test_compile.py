@@ -579,7 +579,8 @@ def test_mini_sequence_loss_operators_pass_opcheck(dtype, vocab, softcap, sliced
     ("llama", dict(mini_sequence_chunk=48), True),
     ("gemma3_text", dict(mini_sequence_chunk=48, streaming_backward_chunk=48), False),
     ("qwen3_moe", dict(mini_sequence_chunk=48, streaming_backward_chunk=48), False),
-], ids=["llama-mini_sequence+checkpointing", "gemma3_text-both", "qwen3_moe-both"])
+    ("falcon_h1", dict(mini_sequence_chunk=48, streaming_backward_chunk=48), False),
+], ids=["llama-mini_sequence+checkpointing", "gemma3_text-both", "qwen3_moe-both", "falcon_h1-both"])
 def test_trainer_torch_compile_trains_as_eager_unset(tmp_path, family, fields, checkpointing):
     """`TrainingArguments(torch_compile=True)` as users run it, with gradient accumulation and padded rows: no graph
     break, one compiled graph, and the logged losses and the weights' updates equal the eager Trainer's with the fields
@@ -621,8 +622,11 @@ def test_trainer_torch_compile_trains_as_eager_unset(tmp_path, family, fields, c
     losses, updates, breaks = train(True, **fields)
     assert not breaks, breaks
     assert len(losses) == 2 and losses == pytest.approx(ref_losses, rel=1e-5), (losses, ref_losses)
-    missing = [name for name, update in ref_updates.items() if update.abs().max() == 0]
-    assert not missing, missing  # every weight trained
+    # Every weight trained, but those whose SGD step here is below their fp32 spacing (Falcon-H1's Mamba `D`, ones at
+    # init, and `dt_bias`: their gradients are under 1e-6 in this tiny model); ours leaves the same ones unmoved.
+    unmoved = sorted(name for name, update in ref_updates.items() if update.abs().max() == 0)
+    assert all(name.endswith(("mamba.D", "mamba.dt_bias")) for name in unmoved), unmoved
+    assert unmoved == sorted(name for name, update in updates.items() if update.abs().max() == 0)
     worst = max(updates, key=lambda name: rel_err(updates[name], ref_updates[name]))
     # 1e-4: compiling alone, fields unset, moves the Llama case's q_proj update by 4.6e-5 (fields set: the same)
     assert rel_err(updates[worst], ref_updates[worst]) < 1e-4, (worst, rel_err(updates[worst], ref_updates[worst]))

@@ -565,7 +565,7 @@ def test_peft_lora_after_the_conv_only(family, streamed_calls):
     """The loss and every adapter's gradient as with the field unset, where the carried states have no graph in the
     first layer (AFTER_THE_CONV). Until 5.24.0+mst.39 the streamed backward handed such an end state to
     `autograd.grad` with the next chunk's gradient for it, which raised ("element 1 of tensors does not require grad"):
-    this test failed for 13 of these 15 families (all but Mamba and FalconMamba), and LoRA on the MLP projections
+    this test failed for 13 of these 15 families (all but Nemotron-H and Zamba2), and LoRA on the MLP projections
     alone for 8 (Qwen3.5, Qwen3.5-MoE and Qwen3-Next among them)."""
     import peft
     batches = [_batch(family=family)]
