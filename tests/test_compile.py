@@ -112,13 +112,16 @@ def test_mini_sequence_mlp_under_compile_replays_dropout_masks():
     ("qwen3", dict(streaming_backward_chunk=48, mini_sequence_chunk=48)),
     ("phi3", dict(streaming_backward_chunk=48)),
     ("gemma3_text", dict(streaming_backward_chunk=48, mini_sequence_chunk=48)),
+    ("gemma4_text", dict(streaming_backward_chunk=48, mini_sequence_chunk=48)),
 ])
 def test_streaming_compiles_fullgraph_and_is_exact(family, fields):
     """Streamed layers (the layer's own forward per chunk, streaming_backward/) under torch.compile: each layer call is
     one operator of the graph (streaming_backward/compiled.py), so `fullgraph=True` trains, exact against the eager
     unsplit step (left padding: a blind first chunk; uneven chunks). Until mst.18 each call ran eagerly, one graph
     break per call (5 on a 2-layer Llama); traced, at mst.17, it broke on the mask's `.item()`, the exception that
-    stops a K/V pass, and upstream's collector variable."""
+    stops a K/V pass, and upstream's collector variable. Gemma-4's layers take positional arguments, a per-layer input
+    that requires grad (a row input of the operator, its gradient returned) and a `KVSharingDict` (a fresh one per
+    chunk): they ran eagerly, one graph break each, until 5.24.0+mst.39."""
     ref = train_step(family, loss_of)
     compiled = train_step(family, torch.compile(loss_of, fullgraph=True), **fields)
     assert_same_step(compiled, ref)
@@ -151,19 +154,18 @@ def test_streamed_recurrent_layers_compile_fullgraph_and_are_exact(family, field
             assert rel_err(compiled[1][name], eager[name]) < 1e-4, name
 
 
-def test_streamed_operator_takes_no_other_input_that_requires_grad():
-    """The operator differentiates the hidden states and the parameters only: a call with another tensor that requires
-    grad (Zamba2's hybrid layers take the embeddings, Gemma-4's layers a per-layer input) runs eagerly (the caller
-    gets None here), so that tensor's gradient is not dropped."""
+def test_streamed_operator_takes_no_other_input_that_requires_grad_but_rows():
+    """The operator differentiates the hidden states, the parameters and the call's row inputs that require grad
+    (Gemma-4's per-layer input: test_streaming_compiles_fullgraph_and_is_exact). A call with another tensor that requires
+    grad runs eagerly (the caller gets None here), so that tensor's gradient is not dropped."""
     from transformers.streaming_backward import compiled
 
     model = make_model("llama", seed=1, attn_implementation="sdpa", use_cache=False, streaming_backward_chunk=48)
     model.train()
     hidden = torch.randn(1, 64, model.config.hidden_size, requires_grad=True)
-    arguments = dict(position_embeddings=model.model.rotary_emb(hidden, torch.arange(64)[None]),
-                     other_rows=torch.randn(1, 64, 4))
+    arguments = dict(position_embeddings=model.model.rotary_emb(hidden, torch.arange(64)[None]), scale=torch.ones(4))
     assert compiled.traced_call(model.model.layers[0], (hidden,), arguments) is not None  # crosses
-    arguments["other_rows"].requires_grad_()
+    arguments["scale"].requires_grad_()
     assert compiled.traced_call(model.model.layers[0], (hidden,), arguments) is None
 
 
@@ -197,9 +199,10 @@ def test_compiled_streamed_layer_gives_zeros_to_parameters_of_uncalled_modules()
 
 
 def test_hybrid_with_eager_layer_calls_under_compile_is_exact():
-    """Zamba2 under torch.compile: its layers are called with positional arguments (and its hybrid layers take the
-    embeddings, which require grad), so each call runs eagerly, one graph break each; exact against the eager unsplit
-    step (a right-padded batch, as Zamba2's streamed hybrid layers need)."""
+    """Zamba2 under torch.compile: its hybrid layers take the embeddings, which require grad, as a row input of the
+    operator (since 5.24.0+mst.39); its Mamba2 layers are passed them too, which the recurrent layers' Function does not
+    take, so each of their calls runs eagerly, one graph break each. Exact against the eager unsplit step (a
+    right-padded batch, as Zamba2's streamed hybrid layers need)."""
     from torch._dynamo.utils import counters
 
     def right_padded(model, ids, mask, labels):
@@ -210,7 +213,7 @@ def test_hybrid_with_eager_layer_calls_under_compile_is_exact():
     counters.clear()
     compiled = train_step("zamba2", torch.compile(right_padded), streaming_backward_chunk=48)
     reasons = list(counters["graph_break"])
-    assert reasons and all("_eager_forward" in reason for reason in reasons), reasons
+    assert reasons and all("_recurrent_eager_forward" in reason for reason in reasons), reasons
     assert_same_step(compiled, ref)
 
 

@@ -29,14 +29,18 @@ dtype the hidden states' or autocast's; the kernel checks both.
 
 Only where the whole call can cross: a registered layer (not a deep copy of one), plain parameters (no FSDP/ZeRO-3
 views), no input offload, no outputs recorded inside the layer but router logits of one router with a 2-D weight,
-the hidden states as the only positional argument, keyword arguments that are tensors (none requiring grad: the
-operator differentiates the hidden states and the parameters only), tuples of tensors or constants; otherwise the call
-runs eagerly as before (one graph break: `layer.decoder_layer_forward`). The parameters of modules the call never ran
+arguments (positional ones by name) that are tensors, tuples of tensors, constants or an argument each chunk gets a
+fresh, empty one of (`layer.FRESH_PER_CHUNK`: Gemma-4's `KVSharingDict`); a tensor that requires grad only where it is
+rows of the sequence in an attention layer's call (a row input of the streamed Function: Gemma-4's per-layer input,
+Zamba2's embeddings; the backward operator returns its gradient); otherwise the call runs eagerly as before (one graph
+break: `layer.decoder_layer_forward`). The parameters of modules the call never ran
 get zeros from the operator's backward (the eager Functions give them none, as upstream does: an operator returns a
 tensor for each parameter the graph traced).
 """
 
 import ast
+import functools
+import importlib
 import itertools
 
 import torch
@@ -55,6 +59,7 @@ from ..mst_core.custom_ops import (
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.wrappers import is_plain_parameter
 from . import router
+from .layer import FRESH_PER_CHUNK
 from .offload import offload_requested
 from .parts import returned
 
@@ -88,12 +93,19 @@ def _encode(kwargs, device_type, router_logits=None):
         parts.append(f"@router_logits={experts},{str(dtype).removeprefix('torch.')}")
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor):
-            parts.append(f"{name}=t{len(tensors)}")
+            # "r": a row input of the layer that requires grad (layer.py `StreamedCall.row_inputs`): differentiated
+            parts.append(f"{name}={'r' if value.requires_grad else 't'}{len(tensors)}")
             tensors.append(value)
+        elif name in FRESH_PER_CHUNK and value is not None:
+            # Each chunk gets an empty one of its type anyway (layer.py): the kernel makes one.
+            parts.append(f"{name}=n{type(value).__module__}:{type(value).__qualname__}")
         elif isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
             parts.append(f"{name}=u{len(tensors)},{len(value)}")
             tensors.extend(value)
         elif value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and ";" not in value):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                # A number dynamo made dynamic (a layer index a resumed frame reads): specialized, as the text needs.
+                value = int(value) if isinstance(value, int) else float(value)
             parts.append(f"{name}=c{value!r}")
         else:
             return None
@@ -103,7 +115,8 @@ def _encode(kwargs, device_type, router_logits=None):
 
 def _decode(text, tensors):
     """The keyword arguments, the autocast states [(device type, dtype)] and the router logits' (experts, dtype) or
-    None, that `_encode` wrote."""
+    None, that `_encode` wrote. The row inputs that require grad come as leaves that require grad (the kernels run
+    without graph: `StreamedCall` takes them as row inputs by that flag)."""
     kwargs, autocast, router_logits = {}, [], None
     for part in filter(None, text.split(";")):
         name, spec = part.split("=", 1)
@@ -114,12 +127,23 @@ def _decode(text, tensors):
             autocast.append(autocast_entry(spec))
         elif spec[0] == "t":
             kwargs[name] = tensors[int(spec[1:])]
+        elif spec[0] == "r":
+            kwargs[name] = tensors[int(spec[1:])].detach().requires_grad_()
+        elif spec[0] == "n":
+            module, qualname = spec[1:].split(":")
+            kwargs[name] = functools.reduce(getattr, qualname.split("."), importlib.import_module(module))()
         elif spec[0] == "u":
             first, count = map(int, spec[1:].split(","))
             kwargs[name] = tuple(tensors[first : first + count])
         else:
             kwargs[name] = ast.literal_eval(spec[1:])
     return kwargs, autocast, router_logits
+
+
+def _row_positions(text):
+    """The positions in the operator's `tensors` of the row inputs that require grad (`_encode`'s "r")."""
+    return [int(spec[1:]) for name, spec in (part.split("=", 1) for part in filter(None, text.split(";")))
+            if not name.startswith("@") and spec[0] == "r"]
 
 
 class _State:
@@ -153,11 +177,17 @@ def streamed_layer(
         streamed, function = _prepared_call(layer, hidden, kwargs)
         # The kernel runs outside the model's forward as upstream's collector sees it: told by the traced call.
         streamed.records_router_logits = router_logits is not None
+        rows = getattr(streamed, "row_inputs", {})  # a `RecurrentCall` takes none (`traced_call`)
+        if list(rows) != [name for name, value in kwargs.items() if isinstance(value, torch.Tensor) and value.requires_grad]:
+            raise RuntimeError(
+                f"{STREAMING_FIELD} under torch.compile: {type(layer).__name__}'s call took other row inputs than the "
+                "traced graph differentiates; please report this with your model."
+            )
         state = _State()
         state.call, state.function = streamed, function
-        state.needs_input_grad = (True, False, False) + (True,) * len(params)
+        state.needs_input_grad = (True, False, False) + (True,) * (len(rows) + len(params))
         with torch.no_grad():
-            out = function.forward(state, hidden, streamed, None, *params)
+            out = function.forward(state, hidden, streamed, None, *rows.values(), *params)
     logits = _router_logits_like(hidden, router_logits)
     if router_logits is not None:
         out, recorded = out
@@ -175,6 +205,7 @@ def streamed_layer(
     streamed.arguments = {}
     if hasattr(streamed, "mask"):  # an attention layer's `StreamedCall` (a `RecurrentCall` has none)
         streamed.mask = None
+        streamed.row_inputs = dict.fromkeys(streamed.row_inputs)
     token = next(_TOKENS)
     _PENDING[token] = state
     return out, logits, torch.tensor(token, dtype=torch.int64)
@@ -198,24 +229,30 @@ def streamed_layer_backward(
     if hasattr(streamed, "mask"):
         streamed.mask = kwargs.pop(streamed.mask_name, None)
     streamed.arguments = {name: kwargs[name] for name in state.argument_names}
+    rows = getattr(streamed, "row_inputs", {})
+    if rows:
+        streamed.row_inputs = {name: kwargs[name] for name in rows}
     state.saved_tensors, state.params = (hidden,), tuple(params)
     with autograd_in_kernel():
         grads = state.function.backward(state, grad, grad_router_logits if router_logits is not None else None)
-    # The eager Functions give no gradient to the parameters of module-list entries the call never ran, as upstream's
-    # step gives them none (wrappers.noting_uncalled_parameters: a LoRA adapter on Mamba's `dt_proj`, whose weight the
-    # mixer reads without calling it); any other missing one raised above. An operator returns a tensor for each
-    # parameter the graph traced: zeros for those (docs/limits.md).
-    return [grads[0], *(torch.zeros_like(p) if g is None else g for g, p in zip(grads[3:], params))]
+    # (the input's, None, None, the row inputs', the parameters'). The eager Functions give no gradient to the
+    # parameters of module-list entries the call never ran, as upstream's step gives them none
+    # (wrappers.noting_uncalled_parameters: a LoRA adapter on Mamba's `dt_proj`, whose weight the mixer reads without
+    # calling it); any other missing one raised above. An operator returns a tensor for each parameter the graph
+    # traced: zeros for those (docs/limits.md).
+    row_grads, param_grads = grads[3 : 3 + len(rows)], grads[3 + len(rows) :]
+    return [grads[0], *row_grads, *(torch.zeros_like(p) if g is None else g for g, p in zip(param_grads, params))]
 
 
 @streamed_layer_backward.register_fake
 def _(grad, grad_router_logits, token, hidden, tensors, params, text):
-    return [torch.empty_like(hidden), *(torch.empty_like(p) for p in params)]
+    rows = [torch.empty_like(tensors[i]) for i in _row_positions(text)]
+    return [torch.empty_like(hidden), *rows, *(torch.empty_like(p) for p in params)]
 
 
 def _setup_context(ctx, inputs, output):
     hidden, tensors, params, key, text = inputs
-    ctx.text, ctx.count = text, len(tensors)
+    ctx.text, ctx.count, ctx.rows = text, len(tensors), _row_positions(text)
     ctx.mark_non_differentiable(output[2])
     ctx.save_for_backward(output[2], hidden, *tensors, *params)
 
@@ -224,7 +261,10 @@ def _backward(ctx, grad, grad_router_logits, grad_token):
     token, hidden, *rest = ctx.saved_tensors
     tensors, params = rest[: ctx.count], rest[ctx.count :]
     grads = streamed_layer_backward(grad, grad_router_logits, token, hidden, tensors, params, ctx.text)
-    return grads[0], [None] * ctx.count, list(grads[1:]), None, None
+    tensor_grads = [None] * ctx.count
+    for position, row_grad in zip(ctx.rows, grads[1 : 1 + len(ctx.rows)]):
+        tensor_grads[position] = row_grad
+    return grads[0], tensor_grads, list(grads[1 + len(ctx.rows) :]), None, None
 
 
 streamed_layer.register_autograd(_backward, setup_context=_setup_context)
@@ -253,13 +293,15 @@ def _prepared_call(layer, hidden, kwargs):
 def traced_call(layer, args, kwargs):
     """While dynamo traces: the streamed layer's output as one `streamed_layer` operator in the graph, or None where
     the call cannot cross (see the module's docstring; the caller then runs it eagerly)."""
+    from .layer import _bound_arguments, streams_through_states
+
     key = module_key(layer)  # None for a copy of a registered layer (copy.deepcopy copies its key)
-    if key is None or len(args) > 1 or offload_requested(layer) or not can_run_eager_kernels():
+    if key is None or offload_requested(layer) or not can_run_eager_kernels():
         return None
-    kwargs = dict(kwargs)
-    hidden = args[0] if args else kwargs.pop("hidden_states", None)
-    if not isinstance(hidden, torch.Tensor):
-        return None
+    kwargs, _, cache = _bound_arguments(_class_forward(layer), layer, args, kwargs)  # positional ones by name
+    hidden = kwargs.pop("hidden_states")
+    if cache is not None or not isinstance(hidden, torch.Tensor):
+        return None  # (the eager call refuses a cache that holds tokens)
     collector = router.model_collector()
     if collector and set(collector) - set(router.HANDLED_OUTPUTS):
         return None  # outputs recorded inside the layer (attentions): the eager call refuses them (checks.py)
@@ -280,9 +322,15 @@ def traced_call(layer, args, kwargs):
     if encoded is None:
         return None
     tensors, text = encoded
-    if any(tensor.requires_grad for tensor in tensors):
-        # The operator differentiates the hidden states and the parameters only: another input that requires grad
-        # (Zamba2's embeddings joined to a hybrid layer's input, Gemma-4's per-layer input) runs eagerly.
+    # Another tensor that requires grad crosses as a row input (Gemma-4's per-layer input, Zamba2's embeddings joined
+    # to a hybrid layer's input), whose gradient the operator returns, where the streamed Function takes it: rows of
+    # the sequence, in an attention layer's call. Else the call runs eagerly (the operator would drop its gradient).
+    grad_inputs = [value for value in kwargs.values() if isinstance(value, torch.Tensor) and value.requires_grad]
+    if any(isinstance(value, tuple) and any(v.requires_grad for v in value) for value in kwargs.values()):
+        return None
+    if grad_inputs and (streams_through_states(layer) or not all(
+        value.dim() >= 2 and value.shape[:2] == hidden.shape[:2] for value in grad_inputs
+    )):
         return None
     out, logits, _ = streamed_layer(hidden, tensors, params, key, text)
     out = router.hand_over((out, logits) if router_logits is not None else out)

@@ -106,7 +106,7 @@ def applies(layer) -> bool:
 # Arguments a chunk gets a fresh, empty one of: Gemma-4's `shared_kv_states`, where a layer stores its K/V for layers
 # that read them (none does where layers stream: mst_core/families.py `streaming_unless`) and for its assistant models'
 # generation. A stored chunk would keep its K/V, in the backward with their graph, until the step ends.
-_FRESH_PER_CHUNK = ("shared_kv_states",)
+FRESH_PER_CHUNK = ("shared_kv_states",)
 
 
 class StreamedCall:
@@ -223,7 +223,7 @@ class StreamedCall:
         kv_start, kv_end = self.key_ranges[index]
         kwargs = {name: slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
         kwargs.update(rows or {})
-        kwargs.update({name: type(kwargs[name])() for name in _FRESH_PER_CHUNK if kwargs.get(name) is not None})
+        kwargs.update({name: type(kwargs[name])() for name in FRESH_PER_CHUNK if kwargs.get(name) is not None})
         if cache.stop:  # the layer stops at the cache: no mask needed
             kwargs[self.mask_name] = None
         elif self.sharded is not None:
