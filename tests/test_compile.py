@@ -154,6 +154,31 @@ def test_streamed_recurrent_layers_compile_fullgraph_and_are_exact(family, field
             assert rel_err(compiled[1][name], eager[name]) < 1e-4, name
 
 
+@pytest.mark.parametrize("family", ["llama", "granitemoehybrid", "falcon_h1"])
+def test_streaming_compiled_with_the_models_own_cache(family):
+    """With `use_cache=True` (the configs' default) the model makes an empty cache and hands it to every layer, which a
+    streamed call neither reads nor fills (docs/streaming.md): the call is one operator of the graph all the same,
+    `fullgraph=True` trains, exact. Until 5.24.0+mst.39 such a call did not cross the operator: every layer call ran
+    eagerly (10 graph breaks on the tiny Llama). A cache that holds tokens is still refused, compiled too."""
+    def step(compiled, **fields):
+        attention = {} if family in NO_ATTENTION else dict(attn_implementation="sdpa")
+        model = make_model(family, seed=1, use_cache=True, **attention, **fields).train()
+        torch._dynamo.reset()
+        loss = (torch.compile(loss_of, fullgraph=True) if compiled else loss_of)(model, *batch())
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+    assert_same_step(step(True, streaming_backward_chunk=48), step(False))
+    if family == "llama":
+        model = make_model(family, seed=1, attn_implementation="sdpa", streaming_backward_chunk=48).train()
+        ids = batch()[0]
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+        torch._dynamo.reset()
+        with pytest.raises(ValueError, match="holds 5 cached tokens"):
+            torch.compile(lambda: model(input_ids=ids[:, 5:], labels=ids[:, 5:], past_key_values=cache).loss)()
+
+
 def test_streamed_operator_takes_no_other_input_that_requires_grad_but_rows():
     """The operator differentiates the hidden states, the parameters and the call's row inputs that require grad
     (Gemma-4's per-layer input: test_streaming_compiles_fullgraph_and_is_exact). A call with another tensor that requires
