@@ -293,9 +293,7 @@ def _prepared_call(layer, hidden, kwargs):
 def traced_call(layer, args, kwargs):
     """While dynamo traces: the streamed layer's output as one `streamed_layer` operator in the graph, or None where
     the call cannot cross (see the module's docstring; the caller then runs it eagerly)."""
-    from . import parts, recurrent
-    from .checks import check_cache_is_empty
-    from .layer import _bound_arguments, streams_through_states
+    from .layer import _bound_arguments, check_given_cache, streams_through_states
 
     key = module_key(layer)  # None for a copy of a registered layer (copy.deepcopy copies its key)
     if key is None or offload_requested(layer) or not can_run_eager_kernels():
@@ -304,12 +302,9 @@ def traced_call(layer, args, kwargs):
     hidden = kwargs.pop("hidden_states")
     if not isinstance(hidden, torch.Tensor):
         return None
-    if cache is not None:
-        # A streamed call neither reads nor fills the cache (the model's, made by the default `use_cache=True`): the
-        # eager call's checks refuse one that holds something, and it does not cross.
-        (recurrent.check_cache_has_no_state if streams_through_states(layer) else check_cache_is_empty)(layer, cache)
-        if parts.mixer_beside_attention(layer) is not None:
-            recurrent.check_cache_has_no_state(layer, cache)
+    # A streamed call neither reads nor fills the cache (the model's, made by the default `use_cache=True`): refused
+    # where it holds something, as eagerly; it does not cross.
+    check_given_cache(layer, cache)
     collector = router.model_collector()
     if collector and set(collector) - set(router.HANDLED_OUTPUTS):
         return None  # outputs recorded inside the layer (attentions): the eager call refuses them (checks.py)

@@ -522,13 +522,20 @@ def _bound_arguments(forward, layer, args, kwargs):
     return arguments, cache_name, next((c for c in given if c is not None), None)
 
 
+def check_given_cache(layer, cache) -> None:
+    """Refuse a cache (or None) that holds something for `layer`, which a streamed call neither reads nor fills:
+    tokens for its attention, states for its recurrent mixer (both where a mixer sits beside the attention)."""
+    if not streams_through_states(layer):
+        check_cache_is_empty(layer, cache)
+    if streams_through_states(layer) or parts.mixer_beside_attention(layer) is not None:
+        recurrent.check_cache_has_no_state(layer, cache)
+
+
 def prepared_call(forward, layer, args, kwargs):
     """(the `StreamedCall` of this call, its hidden states), after the checks of a streamed call."""
     arguments, cache_name, given = _bound_arguments(forward, layer, args, kwargs)
     hidden_states = arguments["hidden_states"]
-    check_cache_is_empty(layer, given)
-    if parts.mixer_beside_attention(layer) is not None:
-        recurrent.check_cache_has_no_state(layer, given)
+    check_given_cache(layer, given)
     collector = router.model_collector()
     check_captured_outputs(layer, collector)
     streamed = StreamedCall(forward, layer, arguments, cache_name, records_router_logits=router.recording(collector))
@@ -551,7 +558,7 @@ def skip_and_record_projections(streamed, layer):
 def prepared_recurrent_call(forward, layer, args, kwargs):
     """(the `recurrent.RecurrentCall` of this call, its hidden states), after the checks of a streamed call."""
     arguments, cache_name, given = _bound_arguments(forward, layer, args, kwargs)
-    recurrent.check_cache_has_no_state(layer, given)
+    check_given_cache(layer, given)
     hidden_states = arguments.pop("hidden_states")
     return recurrent.prepared_call(forward, layer, hidden_states, arguments, cache_name), hidden_states
 
