@@ -52,6 +52,15 @@ part 60 profile_streaming_16384 "$PY" scripts/cuda_check.py "${model[@]}" --prof
 # where mini_sequence+checkpointing's time goes against checkpointing's (the issue's 0.97x target)
 part 70 profile_ms_checkpointing_16384 "$PY" scripts/cuda_check.py "${model[@]}" --profile --seq 16384 \
     --methods checkpointing mini_sequence+checkpointing
+# the compiled steps since the mini-sequence blocks are operators of the graph (mst.36-38): peak and speed against the
+# eager step with the field and compiled checkpointing, one machine (issue 47's GPU targets)
+part 300 compiled_4096_16384 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 16384 "${merge[@]}" --no-exactness \
+    --no-streaming --out "$OUT/compiled_4096_16384" \
+    --methods mini_sequence+checkpointing+compile checkpointing+compile mini_sequence+checkpointing
+part 100 streaming_steps_16384 "$PY" scripts/cuda_check.py "${model[@]}" --seq 16384 "${merge[@]}" --no-exactness \
+    --no-streaming --out "$OUT/streaming_steps_16384" --methods checkpointing streaming mini_sequence+streaming
+# Kimi-Linear's fp32 error on CUDA (docs/cuda/README.md, mst.30): with cuDNN's TF32 convolutions off
+part 80 hybrid_exactness_no_tf32 "$PY" scripts/hybrid_cuda.py --exactness --no-tf32 --json "$OUT/hybrid_exactness_no_tf32.json"
 part 140 compiled_4096 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 "${merge[@]}" --no-exactness --no-streaming \
     --out "$OUT/compiled" --methods mini_sequence+checkpointing+compile checkpointing+compile streaming+compile
 echo "total $(( $(date +%s) - start )) s"
