@@ -27,6 +27,7 @@ Four parts, each printing its numbers and writing them to <out>/cuda_check_<seqs
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import sys
@@ -219,7 +220,7 @@ def train_steps(model_name, method, seq, device, repeats, streaming_chunk="auto"
     optimizer.zero_grad(set_to_none=True)
     ids = torch.randint(0, MODELS[model_name]["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
     ids = ids.to(device)
-    times, losses = [], []
+    times, losses, loss = [], [], None
     compiled = METHODS[method][4]
     from torch._dynamo.utils import counters
 
@@ -244,10 +245,13 @@ def train_steps(model_name, method, seq, device, repeats, streaming_chunk="auto"
         return {"method": method, "seq": seq, "oom": True}
     finally:
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-        del model, optimizer
+        del model, optimizer, loss  # the loss's graph holds the parameters (its AccumulateGrad nodes)
+        gc.collect()
+        # what outlives the step's model (a compiled graph holding its weights would): counted by later rows' peaks
+        left = torch.cuda.memory_allocated() if device == "cuda" else None
         if device == "cuda":
             torch.cuda.empty_cache()
-    row = {"method": method, "seq": seq, "oom": False, "peak_bytes": peak,
+    row = {"method": method, "seq": seq, "oom": False, "peak_bytes": peak, "allocated_after_bytes": left,
            "step_seconds": statistics.median(times[1:]), "first_loss": losses[0],
            # what a user waits for once (compilation), and whether a later step compiled again
            "first_step_seconds": times[0], "graphs_compiled": counters["stats"]["unique_graphs"],

@@ -61,6 +61,17 @@ part 100 streaming_steps_16384 "$PY" scripts/cuda_check.py "${model[@]}" --seq 1
     --no-streaming --out "$OUT/streaming_steps_16384" --methods checkpointing streaming mini_sequence+streaming
 # Kimi-Linear's fp32 error on CUDA (docs/cuda/README.md, mst.30): with cuDNN's TF32 convolutions off
 part 80 hybrid_exactness_no_tf32 "$PY" scripts/hybrid_cuda.py --exactness --no-tf32 --json "$OUT/hybrid_exactness_no_tf32.json"
+# the same steps one process each: a process's earlier compiled models may hold memory its later rows count
+# (cuda_check.py's allocated_after_bytes); the graph breaks' reasons logged
+for seq in 4096 16384; do
+    for method in mini_sequence+checkpointing+compile checkpointing+compile mini_sequence+checkpointing; do
+        name=alone_${method//+/_}_$seq  # no "+": the device tool returns no file with one in its name
+        part 75 "$name" env TORCH_LOGS=graph_breaks "$PY" scripts/cuda_check.py "${model[@]}" --seq "$seq" \
+            "${merge[@]}" --no-exactness --no-streaming --out "$OUT/$name" --methods "$method"
+    done
+done
+# the streamed chunks' attention kernels against the unsplit causal attention's (scripts/chunk_attention_cuda.py)
+part 60 chunk_attention_16384 "$PY" scripts/chunk_attention_cuda.py --json "$OUT/chunk_attention_16384.json"
 part 140 compiled_4096 "$PY" scripts/cuda_check.py "${model[@]}" --seq 4096 "${merge[@]}" --no-exactness --no-streaming \
     --out "$OUT/compiled" --methods mini_sequence+checkpointing+compile checkpointing+compile streaming+compile
 echo "total $(( $(date +%s) - start )) s"
