@@ -91,6 +91,25 @@ def test_function_parameters_plain_and_wrapped():
     assert function_parameters(forward_replaced) is None
 
 
+def test_function_parameters_while_compiling_refuse_fsdp1_managed_modules():
+    """Under torch.compile a module's `__dict__` is not scanned (dynamo in torch 2.11 breaks the graph there): FSDP1's
+    mark on the modules it manages (its views are plain attributes during its forward) refuses them instead."""
+    def taken(module):
+        @torch.compile(fullgraph=True, backend="eager")
+        def probe(x):
+            params = function_parameters(module, traced=True)
+            return x + (-1 if params is None else len(params))
+        return int(probe(torch.zeros(())))
+
+    torch._dynamo.reset()
+    mlp = make_mlp()
+    assert taken(mlp) == 3
+    # as torch.distributed.fsdp._dynamo_utils annotates FSDP1's modules (dynamo traces them with use_orig_params only)
+    mlp.up_proj._is_fsdp_managed_module, mlp.up_proj._fsdp_use_orig_params = True, True
+    assert taken(mlp) == -1
+    assert function_parameters(mlp) == list(mlp.parameters())  # eagerly: no plain attribute, taken
+
+
 def test_lm_loss_fsdp2_style_swapped_head_gets_its_gradient():
     seeded("fsdp2 head")
     head = nn.Linear(D, V, bias=False)

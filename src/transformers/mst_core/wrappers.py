@@ -62,6 +62,15 @@ def is_plain_parameter(param: torch.Tensor) -> bool:
     return type(param) is FakeTensor and getattr(param, "_is_param", False)
 
 
+def _holds_plain_tensor_weight(module: torch.nn.Module) -> bool:
+    """Whether `module` has a weight installed as a plain attribute, not a parameter (FSDP1's flat-parameter views
+    during its forward). While torch.compile traces, FSDP1's own mark on the modules it manages says so: dynamo in
+    torch 2.11 cannot iterate a module's `__dict__` (a graph break at every chunked block, measured on an H200)."""
+    if torch.compiler.is_compiling():
+        return getattr(module, "_is_fsdp_managed_module", False)  # torch/distributed/fsdp/_dynamo_utils.py
+    return any(isinstance(value, torch.Tensor) and value.requires_grad for value in vars(module).values())
+
+
 def function_parameters(module: torch.nn.Module, harmless_hook=None, traced=False) -> list | None:
     """The parameters of `module` that require grad, if a Function may take them as inputs; else None.
 
@@ -78,12 +87,8 @@ def function_parameters(module: torch.nn.Module, harmless_hook=None, traced=Fals
         # takes the parameters (`traced`: mini_sequence/compiled.py).
         return None
     for sub in module.modules():
-        if _has_hooks(sub, harmless_hook):
+        if _has_hooks(sub, harmless_hook) or _holds_plain_tensor_weight(sub):
             return None
-        for value in vars(sub).values():
-            # A weight installed as a plain attribute (FSDP1 flat-parameter views): not a parameter.
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                return None
     params = [p for p in module.parameters() if p.requires_grad]
     if not all(is_plain_parameter(p) for p in params):
         return None

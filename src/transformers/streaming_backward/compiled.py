@@ -310,7 +310,7 @@ def traced_call(layer, args, kwargs):
         return None  # outputs recorded inside the layer (attentions): the eager call refuses them (checks.py)
     router_logits = None
     if router.recording(collector):
-        experts = router.experts_recorded(layer)
+        experts = router.experts_recorded(key)
         if experts is None:
             return None
         if experts:

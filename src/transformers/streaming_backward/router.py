@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from ..mst_core.custom_ops import named_module
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.router_logits import ROUTER_LOGITS, is_output_capturing_hook, own_router_collector
 from ..utils import output_capturing
@@ -66,11 +67,13 @@ def chunk_logits(collected, layer, batch: int, rows: int):
 
 
 @torch.compiler.assume_constant_result  # run, not traced, while dynamo traces: it reads the hooks' closures
-def experts_recorded(layer):
-    """The number of experts whose logits `layer` records: the rows of the 2-D weight of its one router-logits
-    recorder (Mixtral's, Qwen3-MoE's, GPT-OSS's `TopKRouter`: [experts, hidden]); 0 for a layer without one (a dense
-    layer of an MoE model); None where neither can be told (compiled.py then runs the call eagerly). Fixed for a
-    layer: a module's hooks are installed once."""
+def experts_recorded(key: int):
+    """The number of experts whose logits the layer named `key` (mst_core/custom_ops.module_key) records: the rows of
+    the 2-D weight of its one router-logits recorder (Mixtral's, Qwen3-MoE's, GPT-OSS's `TopKRouter`: [experts,
+    hidden]); 0 for a layer without one (a dense layer of an MoE model); None where neither can be told (compiled.py
+    then runs the call eagerly). Fixed for a layer: a module's hooks are installed once. Named by its key: dynamo in
+    torch 2.11 cannot hand a module to a function it runs untraced (it raised there)."""
+    layer = named_module(key)
     routers = [module for module in layer.modules()
                if any(is_output_capturing_hook(hook, ROUTER_LOGITS) for hook in module._forward_hooks.values())]
     if not routers:
