@@ -20,6 +20,7 @@ Each time: CUDA events around 10 repetitions after 3 warm-ups, median of 3 such 
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -98,34 +99,36 @@ def main():
             outs.append(own)
         return torch.cat(outs, 2)
 
-    cases = {"unsplit": unsplit, "chunks_lower_right": chunks_lower_right, "chunks_split": chunks_split}
-    for name, attend in cases.items():
+    def record(label, measure, backends=None):  # an error is recorded and the other cases still run
         try:
-            report["ms"][name] = timed(fwd_bwd(attend, q, k, v))
-        except Exception as err:  # recorded, the other cases still run
-            report["errors"][name] = f"{type(err).__name__}: {err}"[:500]
+            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                measure()
+        except Exception as err:
+            report["errors"][label] = f"{type(err).__name__}: {err}"[:500]
+
+    def time_case(label, attend, *tensors):
+        report["ms"][label] = timed(fwd_bwd(attend, *tensors))
+
+    for name, attend in (("unsplit", unsplit), ("chunks_lower_right", chunks_lower_right), ("chunks_split", chunks_split)):
+        record(name, lambda: time_case(name, attend, q, k, v))
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         for name, attend in (("unsplit", unsplit), ("chunks_split", chunks_split)):
             label = f"{name}[{backend.name}]"
-            try:
-                with sdpa_kernel([backend]):
-                    report["ms"][label] = timed(fwd_bwd(attend, q, k, v))
-            except Exception as err:
-                report["errors"][label] = f"{type(err).__name__}: {err}"[:500]
+            record(label, lambda: time_case(label, attend, q, k, v), [backend])
     # cuDNN's is_causal on a chunk after the first: aligned bottom-right (usable as is) or top-left?
     s, e = bounds[-1]
     kr, vr = k[:, :, :e].repeat_interleave(reps, 1), v[:, :, :e].repeat_interleave(reps, 1)
     with sdpa_kernel([SDPBackend.MATH]):
         reference = F.scaled_dot_product_attention(q[:, :, s:e].float(), kr.float(), vr.float(),
                                                    attn_mask=causal_lower_right(e - s, e))
-    try:
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            got = F.scaled_dot_product_attention(q[:, :, s:e], kr, vr, is_causal=True)
-            report["cudnn_is_causal_last_chunk_max_err_vs_lower_right"] = (got.float() - reference).abs().max().item()
-            report["ms"]["cudnn_is_causal_last_chunk_fwd_bwd"] = timed(
-                fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q[:, :, s:e], kr, vr))
-    except Exception as err:
-        report["errors"]["cudnn_is_causal_last_chunk"] = f"{type(err).__name__}: {err}"[:500]
+
+    def cudnn_is_causal():
+        got = F.scaled_dot_product_attention(q[:, :, s:e], kr, vr, is_causal=True)
+        report["cudnn_is_causal_last_chunk_max_err_vs_lower_right"] = (got.float() - reference).abs().max().item()
+        time_case("cudnn_is_causal_last_chunk_fwd_bwd",
+                  lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q[:, :, s:e], kr, vr)
+
+    record("cudnn_is_causal_last_chunk", cudnn_is_causal, [SDPBackend.CUDNN_ATTENTION])
     print(json.dumps(report, indent=1), flush=True)
     if args.json:
         with open(args.json, "w") as file:

@@ -165,3 +165,15 @@ def test_hybrid_cuda_exactness_runs_on_cpu(tmp_path):
         assert not any(row["parameters_without_gradient"] for row in rows.values()), name
         assert rows["ours_fp32"]["loss_relative_error"] < 1e-6 and rows["ours_fp32"]["gradient_error"] < 5e-4, name
         assert rows["ours_bf16"]["gradient_error"] < 1.5 * rows["upstream_bf16"]["gradient_error"], name
+
+
+def test_chunk_attention_cuda_runs_on_cpu(tmp_path):
+    """scripts/chunk_attention_cuda.py (the streamed chunks' attention kernels on a GPU), small, on the CPU: the
+    three ways of attending are timed; the GPU-only backends are recorded as errors, not raised."""
+    out = tmp_path / "attention.json"
+    result = run_py([str(REPO / "scripts" / "chunk_attention_cuda.py"), "--seq", "256", "--chunk", "64", "--json",
+                     str(out)])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert {"unsplit", "chunks_lower_right", "chunks_split"} <= set(report["ms"]), report
+    assert "unsplit[CUDNN_ATTENTION]" in report["errors"], report

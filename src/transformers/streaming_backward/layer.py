@@ -525,9 +525,10 @@ def _bound_arguments(forward, layer, args, kwargs):
 def check_given_cache(layer, cache) -> None:
     """Refuse a cache (or None) that holds something for `layer`, which a streamed call neither reads nor fills:
     tokens for its attention, states for its recurrent mixer (both where a mixer sits beside the attention)."""
-    if not streams_through_states(layer):
+    recurrent_layer = streams_through_states(layer)
+    if not recurrent_layer:
         check_cache_is_empty(layer, cache)
-    if streams_through_states(layer) or parts.mixer_beside_attention(layer) is not None:
+    if recurrent_layer or parts.mixer_beside_attention(layer) is not None:
         recurrent.check_cache_has_no_state(layer, cache)
 
 
