@@ -818,19 +818,28 @@ def test_shallow_stack_falls_back_to_every_layer():
 
 # --- Gated DeltaNet and Mamba2 layers: flash-linear-attention's and mamba_ssm's chunked kernels stood in for --------
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid", "falcon_h1", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid", "falcon_h1", "nemotron_h", "jamba", "mamba",
+                                    "falcon_mamba"])
 def test_recurrent_layers_plan_the_gpu_kernels_not_the_torch_paths(family, monkeypatch):
-    """On a GPU with flash-linear-attention and mamba_ssm installed, upstream's Gated DeltaNet and Mamba2 layers run
-    their chunked kernels: every method's planned step calls the kernels' stand-ins (standins.py) and never upstream's
-    torch paths (the Gated DeltaNet scan loops in Python over every 64 tokens: a minute per fake step of
-    Qwen3.5-35B-A3B at 8K), and the torch paths are back in place after the step. Falcon-H1's mixers gate by z
-    without a norm; Granite-4.0-H's and Nemotron-H's with one."""
+    """On a GPU with flash-linear-attention, mamba_ssm and causal-conv1d installed, upstream's Gated DeltaNet, Mamba2
+    and Mamba (v1) layers run their kernels: every method's planned step calls the kernels' stand-ins (standins.py)
+    and never upstream's torch paths (the Gated DeltaNet scan loops in Python over every 64 tokens: a minute per fake
+    step of Qwen3.5-35B-A3B at 8K; Mamba's selective scan over every token: minutes per fake step of Jamba-Mini at
+    8K), and the torch paths are back in place after the step. Falcon-H1's mixers gate by z without a norm;
+    Granite-4.0-H's and Nemotron-H's with one. Mamba and FalconMamba run the fused mixer unstreamed; streamed, their
+    chunks' scans are ours (from the carried state, which mamba_ssm's scan does not take) and only the convolution is
+    stood in for."""
     import sys
 
     config = _deep(family, **SHALLOW_SIZES)
     module = sys.modules[getattr(transformers, families.FAMILIES[family].model_class).__module__]
-    names = [name for name in standins.KERNEL_STANDINS if hasattr(module, name)]
+    table = {**standins.KERNEL_STANDINS,
+             **(standins.MAMBA_V1_STANDINS if hasattr(module, "mamba_selective_scan") else {})}
+    names = [name for name in table if hasattr(module, name)]
     assert names, family
+    # The tokens a kernel's first argument holds: dim 1 of Gated DeltaNet's and Mamba2's [B, L, ...] inputs, the last
+    # dim of Mamba (v1)'s [B, D, L] ones.
+    token_dim = -1 if hasattr(module, "mamba_selective_scan") else 1
 
     def torch_path(*args, **kwargs):
         raise AssertionError("the planner ran upstream's torch path of a recurrent kernel")
@@ -838,10 +847,10 @@ def test_recurrent_layers_plan_the_gpu_kernels_not_the_torch_paths(family, monke
     calls = []
     for name in names:
         monkeypatch.setattr(module, name, torch_path)
-        standin = getattr(standins, standins.KERNEL_STANDINS[name])
-        monkeypatch.setattr(standins, standins.KERNEL_STANDINS[name],
+        standin = getattr(standins, table[name])
+        monkeypatch.setattr(standins, table[name],
                             lambda *args, standin=standin, name=name, **kwargs:
-                            calls.append((name, args[0].shape[1])) or standin(*args, **kwargs))
+                            calls.append((name, args[0].shape[token_dim])) or standin(*args, **kwargs))
     planner = plan.Planner(config, "adamw-bf16")
     for method in plan.METHODS:
         if not plan._plannable(method, planner.parallel, config) or plan.family_refusal(method, config):
@@ -850,6 +859,37 @@ def test_recurrent_layers_plan_the_gpu_kernels_not_the_torch_paths(family, monke
         assert planner.step_peak_bytes(method, 256) > 0
         assert sum(tokens for _, tokens in calls) >= 256, (method, calls)  # every token through a kernel
         assert all(getattr(module, name) is torch_path for name in names)
+
+
+def test_mamba_v1_standins_keep_the_scan_states_and_give_every_input_its_gradient():
+    """mamba_ssm's selective scan keeps one fp32 state [B, D, 2 N] per 2048 tokens for its backward (the stand-in's
+    largest saved tensor past the inputs), returns the last state [B, D, N] where asked; the convolution's and the
+    fused mixer's stand-ins give every input a gradient of its shape and dtype (autograd casts their fp32 ones)."""
+    batch, dim, length, state, rank, width = 1, 8, 4100, 4, 2, 4  # 3 chunks of 2048, the last one short
+    bf16 = dict(dtype=torch.bfloat16, requires_grad=True)
+    u, dt, z = (torch.randn(batch, dim, length, **bf16) for _ in range(3))
+    B, C = (torch.randn(batch, state, length, **bf16) for _ in range(2))
+    A, D, dt_bias = (torch.randn(*shape, requires_grad=True) for shape in ((dim, state), (dim,), (dim,)))
+    with LiveTensorTracker(keep_largest=8) as tracker:
+        out, last = standins.mamba_selective_scan_like(u, dt, A, B, C, D=D, z=z, delta_bias=dt_bias,
+                                                       delta_softplus=True, return_last_state=True)
+    assert out.shape == u.shape and out.dtype == u.dtype and tuple(last.shape) == (batch, dim, state)
+    assert (batch, dim, 3, 2 * state) in [tuple(shape) for _, shape, _ in tracker.largest_shapes]
+    out.sum().backward()
+    for leaf in (u, dt, z, B, C, A, D, dt_bias):
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype
+    x = torch.randn(batch, dim, length, **bf16)
+    weight, bias = torch.randn(dim, width, **bf16), torch.randn(dim, **bf16)
+    conv = standins.causal_conv1d_fn_like(x, weight, bias, activation="silu")
+    conv.sum().backward()
+    assert conv.shape == x.shape and all(t.grad is not None and t.grad.dtype == t.dtype for t in (x, weight, bias))
+    xz = torch.randn(batch, 2 * dim, length, **bf16)
+    params = [torch.randn(*shape, **bf16) for shape in ((dim, 1, width), (dim,), (rank + 2 * state, dim), (dim, rank),
+                                                          (16, dim))]
+    fused = standins.mamba_inner_fn_like(xz, *params, None, A, None, None, D, dt_bias, delta_softplus=True)
+    assert fused.shape == (batch, length, 16)
+    fused.sum().backward()
+    assert xz.grad.shape == xz.shape and all(p.grad is not None and p.grad.shape == p.shape for p in params)
 
 
 @pytest.mark.parametrize("value_heads", [2, 4], ids=["one_value_head_per_key_head", "grouped_values"])

@@ -595,3 +595,42 @@ def test_recurrent_layers_refuse_other_missing_gradients(monkeypatch):
                                 peft.LoraConfig(r=4, target_modules=["in_proj", "dt_proj"], init_lora_weights=False))
     with pytest.raises(RuntimeError, match="JambaMambaDecoderLayer's recomputation; refusing to return a missing"):
         _step_on(model, [_batch()])
+
+
+@pytest.mark.parametrize("chunk", [7, 44])
+def test_a_row_input_of_a_recurrent_layer_gets_its_gradient(chunk, monkeypatch):
+    """A recurrent layer's other argument that is rows of the sequence and requires grad is a row input of its
+    Function (since 5.24.0+mst.41): each chunk's recompute reads its rows as leaves, and their gradients come back
+    row by row. Zamba2's Mamba2 layer reads `transformer_hidden_states` (added to its input): against the same call
+    unstreamed; its `original_hidden_states`, passed and never read, gets no gradient, as from the unstreamed call."""
+    model = make_model("zamba2", streaming_backward_chunk=chunk).train()
+    layer = next(layer for layer in model.model.layers if type(layer).__name__ == "Zamba2MambaDecoderLayer")
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(2, SEQ, model.config.hidden_size, generator=generator) for _ in range(3)]
+    seed = torch.randn(2, SEQ, model.config.hidden_size, generator=generator)
+    functions = []
+    monkeypatch.setattr(recurrent.StreamedRecurrentFunction, "apply",
+                        _recording(recurrent.StreamedRecurrentFunction.apply, functions))
+
+    def step(streamed):
+        monkeypatch.setattr(model.config, "streaming_backward_chunk", chunk if streamed else None)
+        x, original, transformer = (value.clone().requires_grad_() for value in inputs)
+        out = layer(x, original_hidden_states=original, transformer_hidden_states=transformer)
+        out.backward(seed)
+        return x.grad, original.grad, transformer.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    want = step(streamed=False)
+    layer.zero_grad()
+    got = step(streamed=True)
+    assert len(functions) == 1  # the streamed call went through the recurrent Function
+    assert want[1] is None and got[1] is None
+    for got_grad, want_grad in [(got[0], want[0]), (got[2], want[2]), *zip(got[3].values(), want[3].values())]:
+        assert _relative(got_grad, want_grad) <= RTOL
+
+
+def _recording(apply, calls):
+    def recorded(*args):
+        calls.append(args)
+        return apply(*args)
+
+    return recorded

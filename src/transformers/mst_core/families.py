@@ -467,6 +467,15 @@ CHECKPOINTS = {
                                          num_hidden_layers=52, num_attention_heads=32, num_key_value_heads=8,
                                          head_dim=128, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128,
                                          n_groups=8, conv_kernel=4, expand=2, tie_word_embeddings=False)),
+    # ai21labs/AI21-Jamba-1.5-Mini (its config.json): 32 layers, attention on every 8th from layer 4 (32 query and 8 KV
+    # heads of 128), Mamba (selective scan, state 16, expand 2, dt rank 256) on the other 28; a MoE block of 16 experts
+    # of 14336 (2 per token) on every odd layer, a dense MLP of 14336 on the even ones; untied head (51.6B parameters).
+    "jamba-mini": ("jamba", dict(vocab_size=65536, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, attn_layer_offset=4,
+                                 attn_layer_period=8, expert_layer_offset=1, expert_layer_period=2, num_experts=16,
+                                 num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                                 mamba_dt_rank=256, mamba_conv_bias=True, mamba_proj_bias=False,
+                                 sliding_window=None, tie_word_embeddings=False)),
     # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token; no sliding window.
     "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,

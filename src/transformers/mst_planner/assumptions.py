@@ -41,7 +41,13 @@ ASSUMPTIONS = """
   H100 / H200 has, where a kernel splits its sums over heads by it); workspaces of [B, H, S/L]
   and smaller are left out. Streamed Mamba2 chunks and Gated DeltaNet layers run their short
   convolution by upstream's torch path (causal_conv1d not stood in for). Mamba (v1) mixers (Mamba,
-  FalconMamba, Jamba) run upstream's torch path;
+  FalconMamba, Jamba, Zamba): mamba_ssm's selective scan (read at mamba commit 01887ed: it keeps
+  its inputs and one fp32 state [B, D, 2N] per 2048 tokens; its backward writes the B/C/A/D
+  gradients in fp32) and causal-conv1d's convolution (commit 17f4f2f); unstreamed Mamba and
+  FalconMamba layers its fused mixer (`mamba_inner_fn`: it keeps the projected input, x's
+  projection, B, C, the chunk states and the scan's output, and recomputes the convolution and
+  delta in its backward); streamed chunks scan by our torch scan from the carried state (the
+  kernel takes none), holding the chunk's discretized [B, D, chunk, N] fp32 terms;
 Left out: the CUDA context and library workspaces (cuBLAS, NCCL: typically 0.5-2 GiB),
 allocator fragmentation and caching, kernels' scratch memory (e.g. FlashAttention-2's backward
 allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all heads: up to about

@@ -340,6 +340,139 @@ def mamba2_split_conv1d_scan_combined_like(zxbcdt, conv1d_weight, conv1d_bias, d
                                           outproj_weight, outproj_bias, chunk_size, headdim, ngroups)
 
 
+# mamba_ssm's selective scan (`mamba_ssm/ops/selective_scan_interface.py`, `SelectiveScanFn` and `MambaInnerFn`, read at
+# commit 01887ed) and causal-conv1d's convolution (`causal_conv1d_interface.py`, `CausalConv1dFn`, read at commit
+# 17f4f2f), which Mamba (v1) mixers call on a GPU where they are installed (Mamba, FalconMamba, Jamba). The scan's CUDA
+# kernel runs the sequence in chunks of 2048 tokens and keeps each chunk's end state for its backward: [B, D, chunks,
+# 2 N] in fp32 (N: the state size).
+SELECTIVE_SCAN_CHUNK = 2048
+
+
+def _scan_states(u, state_size):
+    batch, dim, length = u.shape
+    return u.new_empty(batch, dim, math.ceil(length / SELECTIVE_SCAN_CHUNK), 2 * state_size, dtype=torch.float32)
+
+
+def _selective_scan_backward_grads(u, delta, A, B, C, D, z, delta_bias):
+    """What the scan's backward kernel allocates: the inputs' gradients, those of B, C, A, D and the delta bias in fp32
+    (summed over channels or tokens), which autograd then casts to their inputs' dtypes."""
+    du, ddelta = torch.empty_like(u), torch.empty_like(delta)
+    dA = torch.empty_like(A, dtype=torch.float32)
+    dB, dC = (torch.empty_like(t, dtype=torch.float32) for t in (B, C))
+    dD = None if D is None else torch.empty_like(D, dtype=torch.float32)
+    dz = None if z is None else torch.empty_like(z)
+    ddelta_bias = None if delta_bias is None else torch.empty_like(delta_bias, dtype=torch.float32)
+    return du, ddelta, dA, dB, dC, dD, dz, ddelta_bias
+
+
+class _SelectiveScanLike(torch.autograd.Function):
+    """Memory stand-in for mamba_ssm's `selective_scan_fn` (upstream's `mamba_selective_scan`): it keeps its inputs (u,
+    delta, B and C copied where their rows are not contiguous), the chunks' end states and, gated by z, its ungated
+    output; the values are meaningless."""
+
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, last_state_wanted):
+        u, delta, B, C = (_contiguous_rows(t) for t in (u, delta, B, C))
+        z = None if z is None else _contiguous_rows(z)
+        states = _scan_states(u, A.shape[-1])
+        out = torch.empty_like(u, memory_format=torch.contiguous_format)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, states, None if z is None else out)
+        gated = out if z is None else torch.empty_like(out)
+        return gated, states[:, :, -1, 1::2] if last_state_wanted else None
+
+    @staticmethod
+    def backward(ctx, dout, dlast):
+        u, delta, A, B, C, D, z, delta_bias, _, _ = ctx.saved_tensors
+        return (*_selective_scan_backward_grads(u, delta, A, B, C, D, z, delta_bias), None)
+
+
+def mamba_selective_scan_like(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                              return_last_state=False, **kwargs):
+    """`_SelectiveScanLike` called as upstream calls `mamba_selective_scan` (B and C as [B, N, L])."""
+    out, last = _SelectiveScanLike.apply(hidden_states, dt, A, B, C, D, z, delta_bias, return_last_state)
+    return (out, last) if return_last_state else out
+
+
+class _CausalConv1dLike(torch.autograd.Function):
+    """Memory stand-in for causal-conv1d's `causal_conv1d_fn`: it keeps its input (copied where neither its channels nor
+    its tokens are contiguous) and returns the activated output; its backward allocates the input's gradient and the
+    weight's and bias's in fp32. The values are meaningless."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        if x.stride(2) != 1 and x.stride(1) != 1:
+            x = x.contiguous()
+        ctx.save_for_backward(x, weight, bias)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias = ctx.saved_tensors
+        dbias = None if bias is None else torch.empty_like(bias, dtype=torch.float32)
+        return torch.empty_like(x), torch.empty_like(weight, dtype=torch.float32), dbias
+
+
+def causal_conv1d_fn_like(x, weight, bias=None, activation=None, **kwargs):
+    """`_CausalConv1dLike` called as upstream's Mamba (v1) mixers call `causal_conv1d_fn` (x: [B, D, L])."""
+    return _CausalConv1dLike.apply(x, weight, bias)
+
+
+class _MambaInnerLike(torch.autograd.Function):
+    """Memory stand-in for mamba_ssm's `mamba_inner_fn`, a Mamba (v1) mixer after its input projection (convolution,
+    x/dt projections, selective scan gated by z, output projection), which upstream's Mamba and FalconMamba mixers
+    call in training without a cache (an unstreamed layer). It keeps the projected input, x's projection, B and C,
+    the scan's chunk states and its ungated output, and recomputes the convolution and delta in its backward
+    (checkpoint level 1); the values are meaningless."""
+
+    @staticmethod
+    def forward(ctx, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, out_proj_weight, out_proj_bias, A, D,
+                delta_bias):
+        batch, double_dim, length = xz.shape
+        dim, state, rank = double_dim // 2, A.shape[-1], dt_proj_weight.shape[1]
+        xz = _contiguous_rows(xz)
+        conv_out = xz.new_empty(batch, dim, length)
+        x_dbl = xz.new_empty(batch * length, rank + 2 * state)
+        delta = xz.new_empty(batch, dim, length)
+        B, C = (xz.new_empty(batch, 1, state, length) for _ in range(2))
+        states = _scan_states(conv_out, state)
+        out, out_z = torch.empty_like(conv_out), torch.empty_like(conv_out)
+        del conv_out, delta
+        ctx.save_for_backward(xz, conv_weight, conv_bias, x_dbl, x_proj_weight, dt_proj_weight, out_proj_weight, A, B,
+                              C, D, delta_bias, states, out)
+        ctx.has_out_bias = out_proj_bias is not None
+        result = out_z.transpose(1, 2) @ out_proj_weight.t()
+        return result if out_proj_bias is None else result + out_proj_bias
+
+    @staticmethod
+    def backward(ctx, dout):
+        (xz, conv_weight, conv_bias, x_dbl, x_proj_weight, dt_proj_weight, out_proj_weight, A, B, C, D, delta_bias, _,
+         _) = ctx.saved_tensors
+        batch, double_dim, length = xz.shape
+        conv_out, delta = (xz.new_empty(batch, double_dim // 2, length) for _ in range(2))  # recomputed
+        dxz = torch.empty_like(xz)
+        dout_y = xz.new_empty(batch, double_dim // 2, length)
+        dconv_out, ddelta, dA, dB, dC, dD, _, ddelta_bias = _selective_scan_backward_grads(
+            conv_out, delta, A, B, C, D, None, delta_bias)
+        out_z = torch.empty_like(conv_out)  # recomputed for the output projection's weight gradient
+        grads = [torch.empty_like(t) for t in (out_proj_weight, x_dbl, x_proj_weight, dt_proj_weight)]
+        del conv_out, delta, dout_y, dconv_out, ddelta, dB, dC, out_z
+        d_out_proj, _, d_x_proj, d_dt_proj = grads
+        dconv_weight = torch.empty_like(conv_weight, dtype=torch.float32)
+        dconv_bias = None if conv_bias is None else torch.empty_like(conv_bias, dtype=torch.float32)
+        dout_bias = torch.empty_like(out_proj_weight[:, 0]) if ctx.has_out_bias else None
+        return dxz, dconv_weight, dconv_bias, d_x_proj, d_dt_proj, d_out_proj, dout_bias, dA, dD, ddelta_bias
+
+
+def mamba_inner_fn_like(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+                        out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, delta_softplus=True, **kwargs):
+    """`_MambaInnerLike` called as upstream's Mamba and FalconMamba mixers call `mamba_inner_fn` (input-dependent B
+    and C; FalconMamba's norms of B, C and dt are inside the kernel)."""
+    if B is not None or C is not None:
+        raise NotImplementedError("planner: a Mamba mixer with fixed B or C has no stand-in")
+    return _MambaInnerLike.apply(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+                                 out_proj_bias, A, D, delta_bias)
+
+
 def _send_buffer(tensor):
     """The transient contiguous copy an all-to-all sends from (allocated, then dropped at once)."""
     return torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -635,17 +768,24 @@ def offloaded_checkpoint(hooks, function, *args):
 # package's kernel where it is installed (`use_kernel_func_from_hub_with_fallback`), else to their torch path.
 KERNEL_STANDINS = {"torch_chunk_gated_delta_rule": "chunk_gated_delta_rule_like",  # fla
                    "mamba2_chunk_scan": "mamba2_chunk_scan_like",  # mamba_ssm
-                   "mamba2_split_conv1d_scan_combined": "mamba2_split_conv1d_scan_combined_like"}
+                   "mamba2_split_conv1d_scan_combined": "mamba2_split_conv1d_scan_combined_like",
+                   "mamba_selective_scan": "mamba_selective_scan_like",  # mamba_ssm, Mamba (v1) mixers
+                   "mamba_inner_fn": "mamba_inner_fn_like"}
+# In the modules of Mamba (v1) mixers (those with `mamba_selective_scan`) also their convolution (causal-conv1d);
+# elsewhere upstream's torch path runs it (docs/planner.md).
+MAMBA_V1_STANDINS = {"causal_conv1d_fn": "causal_conv1d_fn_like"}
 
 
 @contextlib.contextmanager
 def recurrent_kernels_like(model):
-    """Inside the block, `model`'s Gated DeltaNet and Mamba2 layers call the stand-ins of the GPU kernels upstream
-    takes where fla and mamba_ssm are installed (`KERNEL_STANDINS`), not upstream's torch paths."""
+    """Inside the block, `model`'s Gated DeltaNet, Mamba2 and Mamba (v1) layers call the stand-ins of the GPU kernels
+    upstream takes where fla, mamba_ssm and causal-conv1d are installed (`KERNEL_STANDINS`, `MAMBA_V1_STANDINS`), not
+    upstream's torch paths."""
     modules = {sys.modules[type(m).__module__] for m in model.modules()}
     with contextlib.ExitStack() as stack:
         for module in modules:
-            for name, standin in KERNEL_STANDINS.items():
+            standins = {**KERNEL_STANDINS, **(MAMBA_V1_STANDINS if hasattr(module, "mamba_selective_scan") else {})}
+            for name, standin in standins.items():
                 if hasattr(module, name):
                     # By name, when the step runs: the tests wrap the stand-ins to count their calls.
                     stack.enter_context(mock.patch.object(module, name, globals()[standin]))

@@ -19,7 +19,7 @@ from ..mst_core.router_logits import positions
 from ..mst_core.wrappers import check_graph_inputs
 from . import recurrent
 from .cache import BackwardCache, JoinedCache
-from .offload import KeptInput
+from .offload import kept_input
 from .rows import RowBlocks, row_blocks
 from .wrappers import parameter_grads
 
@@ -30,7 +30,7 @@ class LayerBackward:
     def __init__(self, ctx, grad_out, grad_router_logits):
         self.ctx, self.grad_out, self.grad_router_logits = ctx, grad_out, grad_router_logits
         self.streamed = streamed = ctx.streamed
-        self.x = ctx.saved_input if ctx.saved_input is not None else KeptInput(ctx.saved_tensors[0])
+        self.x = kept_input(ctx)
         self.params = ctx.params
         self.needs_x = ctx.needs_input_grad[0]
         self.row_count = len(streamed.row_inputs)

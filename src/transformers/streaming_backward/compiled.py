@@ -31,8 +31,9 @@ Only where the whole call can cross: a registered layer (not a deep copy of one)
 views), no input offload, no outputs recorded inside the layer but router logits of one router with a 2-D weight,
 arguments (positional ones by name) that are tensors, tuples of tensors, constants or an argument each chunk gets a
 fresh, empty one of (`layer.FRESH_PER_CHUNK`: Gemma-4's `KVSharingDict`); a tensor that requires grad only where it is
-rows of the sequence in an attention layer's call (a row input of the streamed Function: Gemma-4's per-layer input,
-Zamba2's embeddings; the backward operator returns its gradient); otherwise the call runs eagerly as before (one graph
+rows of the sequence (a row input of the streamed Functions: Gemma-4's per-layer input, Zamba2's embeddings, also
+passed to its Mamba2 layers, since mst.41; the backward operator returns its gradient, zeros where the layer never read
+it); otherwise the call runs eagerly as before (one graph
 break: `layer.decoder_layer_forward`). The parameters of modules the call never ran
 get zeros from the operator's backward (the eager Functions give them none, as upstream does: an operator returns a
 tensor for each parameter the graph traced).
@@ -177,7 +178,7 @@ def streamed_layer(
         streamed, function = _prepared_call(layer, hidden, kwargs)
         # The kernel runs outside the model's forward as upstream's collector sees it: told by the traced call.
         streamed.records_router_logits = router_logits is not None
-        rows = getattr(streamed, "row_inputs", {})  # a `RecurrentCall` takes none (`traced_call`)
+        rows = streamed.row_inputs
         if list(rows) != [name for name, value in kwargs.items() if isinstance(value, torch.Tensor) and value.requires_grad]:
             raise RuntimeError(
                 f"{STREAMING_FIELD} under torch.compile: {type(layer).__name__}'s call took other row inputs than the "
@@ -203,9 +204,9 @@ def streamed_layer(
     state.saved_tensors, state.params = None, None
     state.argument_names = list(streamed.arguments)  # the call's arguments the chunks get (flash ones taken out)
     streamed.arguments = {}
+    streamed.row_inputs = dict.fromkeys(streamed.row_inputs)
     if hasattr(streamed, "mask"):  # an attention layer's `StreamedCall` (a `RecurrentCall` has none)
         streamed.mask = None
-        streamed.row_inputs = dict.fromkeys(streamed.row_inputs)
     token = next(_TOKENS)
     _PENDING[token] = state
     return out, logits, torch.tensor(token, dtype=torch.int64)
@@ -229,9 +230,8 @@ def streamed_layer_backward(
     if hasattr(streamed, "mask"):
         streamed.mask = kwargs.pop(streamed.mask_name, None)
     streamed.arguments = {name: kwargs[name] for name in state.argument_names}
-    rows = getattr(streamed, "row_inputs", {})
-    if rows:
-        streamed.row_inputs = {name: kwargs[name] for name in rows}
+    rows = streamed.row_inputs
+    streamed.row_inputs = {name: kwargs[name] for name in rows}
     state.saved_tensors, state.params = (hidden,), tuple(params)
     with autograd_in_kernel():
         grads = state.function.backward(state, grad, grad_router_logits if router_logits is not None else None)
@@ -240,8 +240,13 @@ def streamed_layer_backward(
     # (wrappers.noting_uncalled_parameters: a LoRA adapter on Mamba's `dt_proj`, whose weight the mixer reads without
     # calling it); any other missing one raised above. An operator returns a tensor for each parameter the graph
     # traced: zeros for those (docs/limits.md).
+    # A row input the layer never read (Zamba2's Mamba2 layers are passed the embeddings) gets zeros, as such a parameter.
     row_grads, param_grads = grads[3 : 3 + len(rows)], grads[3 + len(rows) :]
-    return [grads[0], *row_grads, *(torch.zeros_like(p) if g is None else g for g, p in zip(param_grads, params))]
+    return [
+        grads[0],
+        *(torch.zeros_like(row) if g is None else g for g, row in zip(row_grads, streamed.row_inputs.values())),
+        *(torch.zeros_like(p) if g is None else g for g, p in zip(param_grads, params)),
+    ]
 
 
 @streamed_layer_backward.register_fake
@@ -293,7 +298,7 @@ def _prepared_call(layer, hidden, kwargs):
 def traced_call(layer, args, kwargs):
     """While dynamo traces: the streamed layer's output as one `streamed_layer` operator in the graph, or None where
     the call cannot cross (see the module's docstring; the caller then runs it eagerly)."""
-    from .layer import _bound_arguments, check_given_cache, streams_through_states
+    from .layer import _bound_arguments, check_given_cache
 
     key = module_key(layer)  # None for a copy of a registered layer (copy.deepcopy copies its key)
     if key is None or offload_requested(layer) or not can_run_eager_kernels():
@@ -325,15 +330,13 @@ def traced_call(layer, args, kwargs):
     if encoded is None:
         return None
     tensors, text = encoded
-    # Another tensor that requires grad crosses as a row input (Gemma-4's per-layer input, Zamba2's embeddings joined
-    # to a hybrid layer's input), whose gradient the operator returns, where the streamed Function takes it: rows of
-    # the sequence, in an attention layer's call. Else the call runs eagerly (the operator would drop its gradient).
+    # Another tensor that requires grad crosses as a row input (Gemma-4's per-layer input, Zamba2's embeddings), whose
+    # gradient the operator returns, where the streamed Functions take it: rows of the sequence. Else the call runs
+    # eagerly (the operator would drop its gradient).
     grad_inputs = [value for value in kwargs.values() if isinstance(value, torch.Tensor) and value.requires_grad]
     if any(isinstance(value, tuple) and any(v.requires_grad for v in value) for value in kwargs.values()):
         return None
-    if grad_inputs and (streams_through_states(layer) or not all(
-        value.dim() >= 2 and value.shape[:2] == hidden.shape[:2] for value in grad_inputs
-    )):
+    if not all(value.dim() >= 2 and value.shape[:2] == hidden.shape[:2] for value in grad_inputs):
         return None
     out, logits, _ = streamed_layer(hidden, tensors, params, key, text)
     out = router.hand_over((out, logits) if router_logits is not None else out)

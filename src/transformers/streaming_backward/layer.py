@@ -77,9 +77,9 @@ from .masks import (
     sliding_window,
     splits_on_cpu,
 )
-from .offload import SavedInput, input_storage, saved_tensors_offloaded
+from .offload import input_storage, keep_input, saved_tensors_offloaded
 from .projections import RecordedProjections, recordable_projections
-from .rows import slice_rows
+from .rows import row_inputs, slice_rows
 from .wrappers import layer_parameters, noting_uncalled_parameters
 from .zero3_leaves import leaf_gradients_queued_once
 
@@ -145,14 +145,7 @@ class StreamedCall:
         if self.window is not None and self.window >= self.seq_len:
             self.window = None  # a window longer than the sequence cuts nothing
         self.arguments = arguments
-        # The call's other tensors that are rows of the sequence and require grad (Gemma-4's per-layer input): inputs
-        # of the Function, each chunk's recompute reading its rows as leaves, their gradients summed like the layer
-        # input's. Any other tensor that requires grad is refused by the graph check (mst_core/wrappers.py).
-        self.row_inputs = {
-            name: value for name, value in arguments.items()
-            if isinstance(value, torch.Tensor) and value.requires_grad and value.dim() >= 2
-            and value.shape[:2] == (self.batch, self.seq_len)
-        }
+        self.row_inputs = row_inputs(arguments, self.batch, self.seq_len)
         # No mask, no window, no dropout: torch's lower-right causal bias (no [chunk, keys] mask tensor; SDPA picks
         # its causal kernels, aligned bottom-right) instead of a bool mask built per chunk.
         self.causal_bias = mask is None and self.window is None and not (attn.training and getattr(attn, "attention_dropout", 0.0))
@@ -376,11 +369,7 @@ class StreamedLayerFunction(torch.autograd.Function):
     def forward(ctx, x, streamed, storage, *tensors):
         ctx.autocast_state = capture_autocast_state(x.device.type)
         ctx.streamed, ctx.params = streamed, tensors[len(streamed.row_inputs) :]
-        if storage is not None:
-            ctx.saved_input = SavedInput(x, storage)
-        else:
-            ctx.save_for_backward(x)
-            ctx.saved_input = None
+        keep_input(ctx, x, storage)
         with streamed.views_of_one_mask(), noting_uncalled_parameters(streamed.layer, streamed.uncalled_parameters):
             outputs, keys, values = streamed.run(x, record_rng=True)
         del keys, values
@@ -600,5 +589,4 @@ def _streamed_outputs(streamed, layer, hidden_states):
         with torch.no_grad(), streamed.views_of_one_mask():
             outputs = streamed.run(hidden_states)[0]
         return outputs if len(outputs) > 1 else outputs[0]
-    row_inputs = streamed.row_inputs.values()
-    return StreamedLayerFunction.apply(hidden_states, streamed, storage, *row_inputs, *params)
+    return StreamedLayerFunction.apply(hidden_states, streamed, storage, *streamed.row_inputs.values(), *params)

@@ -45,6 +45,21 @@ class KeptInput:
         return self.saved[:, start:end]
 
 
+def keep_input(ctx, x: torch.Tensor, storage) -> None:
+    """Keep a streamed layer's input for its backward (both streamed Functions): in `storage` where offload was
+    requested (`input_storage`), else saved for backward on its device, as checkpointing saves it."""
+    if storage is not None:
+        ctx.saved_input = SavedInput(x, storage)
+    else:
+        ctx.save_for_backward(x)
+        ctx.saved_input = None
+
+
+def kept_input(ctx):
+    """The input `keep_input` kept, read by row ranges (`rows`)."""
+    return ctx.saved_input if ctx.saved_input is not None else KeptInput(ctx.saved_tensors[0])
+
+
 def offload_requested(layer) -> bool:
     """Whether the layer's checkpointing, which streaming replaces, was enabled with offload=True (upstream's
     `activation_checkpointing_enable` tags the function it installs; patch 0013)."""

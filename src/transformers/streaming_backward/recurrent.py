@@ -36,9 +36,9 @@ from ..mst_core.wrappers import check_graph_inputs, refuse_create_graph
 from . import router
 from .checks import check_captured_outputs
 from .config import streaming_chunk_size
-from .offload import KeptInput, SavedInput, input_storage, saved_tensors_offloaded
+from .offload import input_storage, keep_input, kept_input, saved_tensors_offloaded
 from .parts import layer_config, positionwise_mixer, recurrent_mixer
-from .rows import slice_rows
+from .rows import row_inputs, slice_rows
 from .wrappers import layer_parameters, noting_uncalled_parameters, parameter_grads
 
 
@@ -144,14 +144,17 @@ class RecurrentCall:
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
         self.chunks = state_chunks(self.seq_len, chunk)
+        self.row_inputs = row_inputs(arguments, self.batch, self.seq_len)
         self.stateless = recurrent_mixer(layer) is None  # a block that mixes no tokens: it meets no state
         self.uncalled_parameters = set()  # ids (wrappers.noting_uncalled_parameters)
 
-    def call(self, x_chunk, index, seam):
-        """The layer's own forward on chunk `index`, its mixer meeting `seam`: (the chunk's output, its router logits
-        [batch * rows, experts] or None)."""
+    def call(self, x_chunk, index, seam, rows=None):
+        """The layer's own forward on chunk `index`, its mixer meeting `seam` (`rows`: the chunk's rows of
+        `row_inputs` to use instead of slices of them): (the chunk's output, its router logits [batch * rows, experts]
+        or None)."""
         start, end = self.chunks[index]
         kwargs = {name: slice_rows(value, start, end, self.seq_len) for name, value in self.arguments.items()}
+        kwargs.update(rows or {})
         kwargs[self.cache_name] = seam
         with one_streamed_chunk(), carrying_states(seam), router.chunk_collector(self.records_router_logits) as collected:
             out = self.forward(self.layer, x_chunk, **kwargs)
@@ -167,18 +170,14 @@ class RecurrentCall:
 
 class StreamedRecurrentFunction(torch.autograd.Function):
     """Inputs: x [B, S, d], the `RecurrentCall`, whether to keep x in host memory (offload.py: a storage, or None),
-    the layer's parameters that require grad (plain leaf parameters: wrappers.py). Saves x and each chunk's start
-    states. Outputs the layer's output, and its router logits over the whole sequence where the model records them
-    (router.py)."""
+    the call's `row_inputs` (their order), the layer's parameters that require grad (plain leaf parameters:
+    wrappers.py). Saves x and each chunk's start states (the row inputs are held by the call's arguments). Outputs the
+    layer's output, and its router logits over the whole sequence where the model records them (router.py)."""
 
     @staticmethod
-    def forward(ctx, x, call, storage, *params):
-        ctx.call, ctx.params = call, params
-        if storage is not None:
-            ctx.saved_input = SavedInput(x, storage)
-        else:
-            ctx.save_for_backward(x)
-            ctx.saved_input = None
+    def forward(ctx, x, call, storage, *tensors):
+        ctx.call, ctx.params = call, tensors[len(call.row_inputs) :]
+        keep_input(ctx, x, storage)
         ctx.autocast_state = capture_autocast_state(x.device.type)
         ctx.rng, ctx.starts = [], [(None, None)]
         out, logits = None, []
@@ -201,13 +200,18 @@ class StreamedRecurrentFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_router_logits=None):
         refuse_create_graph("streaming backward", STREAMING_FIELD)
-        x = ctx.saved_input if ctx.saved_input is not None else KeptInput(ctx.saved_tensors[0])
+        x = kept_input(ctx)
         call, params = ctx.call, ctx.params
         needs_x = ctx.needs_input_grad[0]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
+        row_count = len(call.row_inputs)
+        needs_rows = dict(zip(call.row_inputs, ctx.needs_input_grad[3 : 3 + row_count]))
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3 + row_count :]) if need]
         acc = [None] * len(wanted)
         # a decoder layer's output has its input's shape
         grad_x = torch.empty_like(grad_out, dtype=x.dtype) if needs_x else None
+        # Each row input's gradient, made at the first chunk whose recompute reads it; None where none does (Zamba2's
+        # Mamba2 layers are passed the embeddings and never read them), as autograd gives an unused input none.
+        row_grads = dict.fromkeys(name for name, need in needs_rows.items() if need)
         end_grads = (None, None)  # the gradients arriving at the current chunk's end states
         checked = False
         # Each parameter gradient is added into `acc` as autograd computes it (mst_core/grads.py).
@@ -219,9 +223,11 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                 linear_sums = linear_weight_grads_summed(acc, wanted, grad_out)
                 with restore_rng_state(ctx.rng[index], grad_out.device), torch.enable_grad():
                     x_chunk = x.rows(start, end).detach().requires_grad_(needs_x)
+                    rows = {name: value[:, start:end].detach().requires_grad_(needs_rows[name])
+                            for name, value in call.row_inputs.items()}
                     seam = StateSeam(*leaves)
                     with linear_sums or contextlib.nullcontext():
-                        out, logits = call.call(x_chunk, index, seam)
+                        out, logits = call.call(x_chunk, index, seam, rows)
                     outputs, seeds = [out], [grad_out[:, start:end]]
                     if logits is not None and grad_router_logits is not None:
                         outputs.append(logits)
@@ -234,13 +240,15 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                             outputs.append(state)
                             seeds.append(grad)
                     state_leaves = [leaf for leaf in leaves if leaf is not None]
-                    inputs = [*([x_chunk] if needs_x else []), *state_leaves, *wanted]
+                    row_leaves = [rows[name] for name in row_grads]
+                    inputs = [*([x_chunk] if needs_x else []), *row_leaves, *state_leaves, *wanted]
                     if not checked:
                         for tensor in outputs:
-                            check_graph_inputs(tensor, [x_chunk, *state_leaves, *params], "streaming backward")
+                            check_graph_inputs(tensor, [x_chunk, *rows.values(), *state_leaves, *params],
+                                               "streaming backward")
                         checked = True
                     grads = list(torch.autograd.grad(outputs, inputs, seeds, allow_unused=True))
-                    del outputs, seeds, out, logits, seam
+                    del outputs, seeds, out, logits, seam, rows, row_leaves
                 if needs_x:
                     part = grads.pop(0)
                     if part is None:
@@ -249,13 +257,21 @@ class StreamedRecurrentFunction(torch.autograd.Function):
                             "gradient from the recomputation; refusing to return a missing gradient."
                         )
                     grad_x[:, start:end].copy_(part)
+                for name in row_grads:
+                    part = grads.pop(0)
+                    if part is not None:
+                        if row_grads[name] is None:
+                            row_grads[name] = torch.zeros_like(call.row_inputs[name])
+                        row_grads[name][:, start:end].copy_(part)
                 state_grads = iter(grads[: len(state_leaves)])
                 end_grads = tuple(None if leaf is None else next(state_grads) for leaf in leaves)
                 if any(leaf is not None and grad is None for leaf, grad in zip(leaves, end_grads)):
                     raise missing_state_gradient(call.layer, start)
                 del grads
         param_grads = parameter_grads(acc, wanted, call.layer, call.uncalled_parameters)
-        return (grad_x, None, None, *[next(param_grads) if need else None for need in ctx.needs_input_grad[3:]])
+        all_rows = [row_grads.get(name) for name in call.row_inputs]
+        all_params = [next(param_grads) if need else None for need in ctx.needs_input_grad[3 + row_count :]]
+        return (grad_x, None, None, *all_rows, *all_params)
 
 
 def _forward_with_checkpoints(call, x):
@@ -294,7 +310,7 @@ def streamed_outputs(call, layer, hidden_states):
         with saved_tensors_offloaded(storage, hidden_states.device):
             return _forward_with_checkpoints(call, hidden_states)
     # Nothing requiring grad (a frozen layer): autograd records no node, and the context's states go with the call.
-    return StreamedRecurrentFunction.apply(hidden_states, call, storage, *params)
+    return StreamedRecurrentFunction.apply(hidden_states, call, storage, *call.row_inputs.values(), *params)
 
 
 def check_cache_has_no_state(layer, cache) -> None:

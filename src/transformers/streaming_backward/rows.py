@@ -95,3 +95,15 @@ def slice_rows(value, start, end, seq_len):
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
         return value[:, start:end]
     return value
+
+
+def row_inputs(arguments, batch, seq_len):
+    """A layer call's other tensors that are rows of the sequence and require grad (Gemma-4's per-layer input,
+    Zamba2's embeddings): inputs of the streamed Functions, each chunk's recompute reading its rows as leaves, their
+    gradients summed row by row like the layer input's. Any other tensor that requires grad is refused by the graph
+    check (mst_core/wrappers.py)."""
+    return {
+        name: value for name, value in arguments.items()
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.dim() >= 2
+        and value.shape[:2] == (batch, seq_len)
+    }
