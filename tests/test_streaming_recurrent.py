@@ -634,3 +634,19 @@ def _recording(apply, calls):
         return apply(*args)
 
     return recorded
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])
+def test_a_long_chunk_scans_in_shards(family, monkeypatch):
+    """A streamed chunk of a Mamba (v1) layer scans from its carried state in adjoint sharding's "auto" shards (128
+    tokens, since 5.24.0+mst.41), not as one piece: a chunk of 200 tokens runs shards of 128 and 72, the sequence's
+    second chunk (100 tokens) one shard, exact against the unsplit step (the shards hand each other the state)."""
+    from transformers.adjoint_sharding import scan
+
+    shards = []
+    monkeypatch.setattr(scan, "_shards", lambda seq_len, shard, shards_of=scan._shards:
+                        shards.append((seq_len, shard)) or shards_of(seq_len, shard))
+    batches = [_batch(seq=300, family=family)]
+    got = _step(family, 200, batches)
+    assert (200, 128) in shards and (100, 128) in shards, shards
+    _assert_exact(got, family, 200, batches)

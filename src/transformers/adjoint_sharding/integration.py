@@ -33,10 +33,11 @@ def selective_scan_for(mixer, upstream_scan):
     if seam is not None:
         # A chunk of a layer streamed through its state (streaming_backward/recurrent.py): upstream's scan would start
         # from zero, ours starts from the state the previous chunk ended with (a leaf in the chunk's recompute, whose
-        # gradient the scan returns). One shard per chunk, or adjoint sharding's where that field is set too.
+        # gradient the scan returns). In adjoint sharding's shards (the field's, else its "auto" size): the scan's
+        # [shard, B, D, N] fp32 working set, not the chunk's (since mst.41; measured in config.py).
         chunk = getattr(mixer.config, "adjoint_sharding_chunk", None)
         initial_state = seam.get_recurrent_state(mixer.layer_idx)  # as the mixer reads it (None: the first chunk)
-        return functools.partial(_scan_from, initial_state, None if chunk is None else shard_tokens(chunk))
+        return functools.partial(_scan_from, initial_state, shard_tokens("auto" if chunk is None else chunk))
     if not applies(mixer):
         return upstream_scan
     config = mixer.config
@@ -50,8 +51,7 @@ def selective_scan_for(mixer, upstream_scan):
 
 def _scan_from(initial_state, shard, hidden_states, *args, **kwargs):
     """Our selective scan from `initial_state` (None: zeros) over one streamed chunk's tokens ([B, D, T])."""
-    return selective_scan(hidden_states, *args, shard=shard or hidden_states.shape[-1], initial_state=initial_state,
-                          **kwargs)
+    return selective_scan(hidden_states, *args, shard=shard, initial_state=initial_state, **kwargs)
 
 
 def causal_conv_for(mixer, upstream_conv):

@@ -473,6 +473,54 @@ def mamba_inner_fn_like(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_pro
                                  out_proj_bias, A, D, delta_bias)
 
 
+class _AdjointScanLike(torch.autograd.Function):
+    """Memory stand-in for our selective scan (adjoint_sharding/scan.py `AdjointSelectiveScan`), which a streamed Mamba
+    (v1) chunk runs from its carried state (mamba_ssm's takes none), in shards. Its forward keeps its inputs and the
+    state entering each shard ([shards, B, D, N] fp32) and returns its fp32 output cast to the input's dtype. Each
+    shard's working set, [shard, B, D, N] fp32 tensors (3 in the forward: the discretized terms and the states; 8 at
+    once in the backward, with the adjoints and their flipped copies: the real scan's peak on fake tensors,
+    tests/test_plan.py), lives only while that shard is scanned: allocated here once, in place of
+    the loop over the shards that makes the scan slow on fake tensors (minutes per step). The values are
+    meaningless."""
+
+    @staticmethod
+    def forward(ctx, u, dt, A, B, C, delta_bias, initial_state, shard):
+        batch, dim, length = u.shape
+        working = (min(shard, length), batch, dim, A.shape[-1])
+        y = u.new_empty(batch, dim, length, dtype=torch.float32)
+        shard_tensors = [u.new_empty(working, dtype=torch.float32) for _ in range(3)]
+        del shard_tensors
+        entering = u.new_empty(math.ceil(length / shard), batch, dim, A.shape[-1], dtype=torch.float32)
+        ctx.save_for_backward(u, dt, A, B, C, delta_bias, entering)
+        ctx.working, ctx.initial_dtype = working, None if initial_state is None else initial_state.dtype
+        return y.to(u.dtype), u.new_empty(batch, dim, A.shape[-1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_last):
+        u, dt, A, B, C, delta_bias, _ = ctx.saved_tensors
+        grad_u, grad_dt, grad_B, grad_C = (torch.empty(t.shape, dtype=torch.float32, device=u.device)
+                                           for t in (u, dt, B, C))
+        grad_y = grad_y.float()
+        shard_tensors = [u.new_empty(ctx.working, dtype=torch.float32) for _ in range(8)]
+        del shard_tensors, grad_y
+        grad_bias = None if delta_bias is None else torch.empty_like(delta_bias, dtype=torch.float32)
+        grad_initial = None if ctx.initial_dtype is None else u.new_empty(ctx.working[1:], dtype=ctx.initial_dtype)
+        return (grad_u.to(u.dtype), grad_dt.to(dt.dtype), torch.empty_like(A), grad_B.to(B.dtype),
+                grad_C.to(C.dtype), None if grad_bias is None else grad_bias.to(delta_bias.dtype), grad_initial, None)
+
+
+def adjoint_scan_like(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                      return_last_state=False, *, shard, initial_state=None, **kwargs):
+    """`_AdjointScanLike` called as adjoint_sharding/integration.py calls our `selective_scan`, with its D skip and z
+    gate."""
+    out, last = _AdjointScanLike.apply(hidden_states, dt, A, B, C, delta_bias, initial_state, shard)
+    if D is not None:
+        out = out + hidden_states * D[None, :, None]
+    if z is not None:
+        out = out * torch.nn.functional.silu(z)
+    return (out, last) if return_last_state else out
+
+
 def _send_buffer(tensor):
     """The transient contiguous copy an all-to-all sends from (allocated, then dropped at once)."""
     return torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -780,9 +828,13 @@ MAMBA_V1_STANDINS = {"causal_conv1d_fn": "causal_conv1d_fn_like"}
 def recurrent_kernels_like(model):
     """Inside the block, `model`'s Gated DeltaNet, Mamba2 and Mamba (v1) layers call the stand-ins of the GPU kernels
     upstream takes where fla, mamba_ssm and causal-conv1d are installed (`KERNEL_STANDINS`, `MAMBA_V1_STANDINS`), not
-    upstream's torch paths."""
+    upstream's torch paths, and our selective scan's stand-in (`adjoint_scan_like`)."""
+    from ..adjoint_sharding import integration
+
     modules = {sys.modules[type(m).__module__] for m in model.modules()}
     with contextlib.ExitStack() as stack:
+        # Our scan, which streamed Mamba (v1) chunks (and adjoint sharding) run on a GPU too.
+        stack.enter_context(mock.patch.object(integration, "selective_scan", adjoint_scan_like))
         for module in modules:
             standins = {**KERNEL_STANDINS, **(MAMBA_V1_STANDINS if hasattr(module, "mamba_selective_scan") else {})}
             for name, standin in standins.items():
