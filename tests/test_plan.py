@@ -816,7 +816,8 @@ def test_shallow_stack_falls_back_to_every_layer():
     assert plan.Planner(_deep("llama", num_hidden_layers=4)).layer_period is None
 
 
-# --- Gated DeltaNet and Mamba2 layers: flash-linear-attention's and mamba_ssm's chunked kernels stood in for --------
+# --- Gated DeltaNet, Mamba2 and Mamba (v1) layers: flash-linear-attention's, mamba_ssm's and causal-conv1d's kernels
+# stood in for
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid", "falcon_h1", "nemotron_h", "jamba", "mamba",
                                     "falcon_mamba"])
@@ -827,8 +828,8 @@ def test_recurrent_layers_plan_the_gpu_kernels_not_the_torch_paths(family, monke
     step of Qwen3.5-35B-A3B at 8K; Mamba's selective scan over every token: minutes per fake step of Jamba-Mini at
     8K), and the torch paths are back in place after the step. Falcon-H1's mixers gate by z without a norm;
     Granite-4.0-H's and Nemotron-H's with one. Mamba and FalconMamba run the fused mixer unstreamed; streamed, their
-    chunks' scans are ours (from the carried state, which mamba_ssm's scan does not take) and only the convolution is
-    stood in for."""
+    chunks' scans are ours (from the carried state, which mamba_ssm's scan does not take; stood in for by
+    `adjoint_scan_like`, test_streamed_scan_standin_peaks_as_the_real_scan), and the convolution is causal-conv1d's."""
     import sys
 
     config = _deep(family, **SHALLOW_SIZES)

@@ -47,7 +47,8 @@ ASSUMPTIONS = """
   FalconMamba layers its fused mixer (`mamba_inner_fn`: it keeps the projected input, x's
   projection, B, C, the chunk states and the scan's output, and recomputes the convolution and
   delta in its backward); streamed chunks scan by our torch scan from the carried state (the
-  kernel takes none), holding the chunk's discretized [B, D, chunk, N] fp32 terms;
+  kernel takes none), in 128-token shards, each holding [shard, B, D, N] fp32 terms (stood in
+  for too: one shard's working set);
 Left out: the CUDA context and library workspaces (cuBLAS, NCCL: typically 0.5-2 GiB),
 allocator fragmentation and caching, kernels' scratch memory (e.g. FlashAttention-2's backward
 allocates an fp32 dq accumulator and, with GQA, K/V gradients expanded to all heads: up to about
