@@ -829,7 +829,7 @@ def test_recurrent_layers_plan_the_gpu_kernels_not_the_torch_paths(family, monke
     8K), and the torch paths are back in place after the step. Falcon-H1's mixers gate by z without a norm;
     Granite-4.0-H's and Nemotron-H's with one. Mamba and FalconMamba run the fused mixer unstreamed; streamed, their
     chunks' scans are ours (from the carried state, which mamba_ssm's scan does not take; stood in for by
-    `adjoint_scan_like`, test_streamed_scan_standin_peaks_as_the_real_scan), and the convolution is causal-conv1d's."""
+    `_AdjointScanLike`, test_streamed_scan_standin_peaks_as_the_real_scan), and the convolution is causal-conv1d's."""
     import sys
 
     config = _deep(family, **SHALLOW_SIZES)
@@ -871,7 +871,7 @@ def test_streamed_scan_standin_peaks_as_the_real_scan(family, monkeypatch):
 
     planner = plan.Planner(_deep(family, **SHALLOW_SIZES), "adamw-bf16")
     planned = planner.step_peak_bytes("streaming", 2048)
-    monkeypatch.setattr(standins, "adjoint_scan_like", scan.selective_scan)
+    monkeypatch.setattr(standins, "_AdjointScanLike", scan.AdjointSelectiveScan)
     real = planner.step_peak_bytes("streaming", 2048)
     assert abs(planned / real - 1) < 0.01, (planned, real)
 

@@ -484,7 +484,7 @@ class _AdjointScanLike(torch.autograd.Function):
     meaningless."""
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, delta_bias, initial_state, shard):
+    def forward(ctx, u, dt, A, B, C, delta_bias, initial_state, shard, truncation, softplus, link=None):
         batch, dim, length = u.shape
         working = (min(shard, length), batch, dim, A.shape[-1])
         y = u.new_empty(batch, dim, length, dtype=torch.float32)
@@ -506,19 +506,8 @@ class _AdjointScanLike(torch.autograd.Function):
         grad_bias = None if delta_bias is None else torch.empty_like(delta_bias, dtype=torch.float32)
         grad_initial = None if ctx.initial_dtype is None else u.new_empty(ctx.working[1:], dtype=ctx.initial_dtype)
         return (grad_u.to(u.dtype), grad_dt.to(dt.dtype), torch.empty_like(A), grad_B.to(B.dtype),
-                grad_C.to(C.dtype), None if grad_bias is None else grad_bias.to(delta_bias.dtype), grad_initial, None)
-
-
-def adjoint_scan_like(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                      return_last_state=False, *, shard, initial_state=None, **kwargs):
-    """`_AdjointScanLike` called as adjoint_sharding/integration.py calls our `selective_scan`, with its D skip and z
-    gate."""
-    out, last = _AdjointScanLike.apply(hidden_states, dt, A, B, C, delta_bias, initial_state, shard)
-    if D is not None:
-        out = out + hidden_states * D[None, :, None]
-    if z is not None:
-        out = out * torch.nn.functional.silu(z)
-    return (out, last) if return_last_state else out
+                grad_C.to(C.dtype), None if grad_bias is None else grad_bias.to(delta_bias.dtype), grad_initial,
+                None, None, None, None)
 
 
 def _send_buffer(tensor):
@@ -828,13 +817,14 @@ MAMBA_V1_STANDINS = {"causal_conv1d_fn": "causal_conv1d_fn_like"}
 def recurrent_kernels_like(model):
     """Inside the block, `model`'s Gated DeltaNet, Mamba2 and Mamba (v1) layers call the stand-ins of the GPU kernels
     upstream takes where fla, mamba_ssm and causal-conv1d are installed (`KERNEL_STANDINS`, `MAMBA_V1_STANDINS`), not
-    upstream's torch paths, and our selective scan's stand-in (`adjoint_scan_like`)."""
-    from ..adjoint_sharding import integration
+    upstream's torch paths, and our selective scan's stand-in (`_AdjointScanLike`)."""
+    from ..adjoint_sharding import scan
 
     modules = {sys.modules[type(m).__module__] for m in model.modules()}
     with contextlib.ExitStack() as stack:
-        # Our scan, which streamed Mamba (v1) chunks (and adjoint sharding) run on a GPU too.
-        stack.enter_context(mock.patch.object(integration, "selective_scan", adjoint_scan_like))
+        # Our scan's Function, which streamed Mamba (v1) chunks (and adjoint sharding) run on a GPU too; its caller
+        # (`scan.selective_scan`: the D skip and the gate) runs as it is.
+        stack.enter_context(mock.patch.object(scan, "AdjointSelectiveScan", _AdjointScanLike))
         for module in modules:
             standins = {**KERNEL_STANDINS, **(MAMBA_V1_STANDINS if hasattr(module, "mamba_selective_scan") else {})}
             for name, standin in standins.items():
