@@ -98,14 +98,51 @@ def test_policy_overrides_change_what_auto_means(monkeypatch):
     assert mlp_chunks() == [50, 50, 50, 50]
 
 
+def _host_cost_rows(stdout):
+    """{case: (ms, launches)} of mlp_host_cost.py's table."""
+    rows = {}
+    for line in stdout.splitlines()[1:]:
+        fields = line[40:].split()
+        rows[line[:40].strip()] = (float(fields[0]), int(fields[2]))
+    return rows
+
+
 def test_mlp_host_cost_runs():
     result = run_py([str(REPO / "scripts" / "mlp_host_cost.py"), "--tokens", "64", "--chunks", "2", "4",
                      "--repeats", "4"])
     assert result.returncode == 0, result.stderr[-2000:]
-    names = [line[:36].strip() for line in result.stdout.splitlines()[1:]]
-    assert names == ["mini-sequence Function, 2 chunks", "mini-sequence Function, 4 chunks", "checkpointed, unsplit",
-                     "plain, unsplit"], result.stdout
-    assert all(float(line.split()[-2]) > 0 for line in result.stdout.splitlines()[1:])
+    rows = _host_cost_rows(result.stdout)
+    assert list(rows) == ["mini-sequence Function, 2 chunks", "mini-sequence Function, 4 chunks",
+                          "checkpointed, unsplit", "plain, unsplit"], result.stdout
+    assert all(ms > 0 and count > 0 for ms, count in rows.values()), result.stdout
+    # more chunks, more launches: each chunk's forward and backward run op by op
+    assert rows["mini-sequence Function, 4 chunks"][1] > rows["mini-sequence Function, 2 chunks"][1], result.stdout
+
+
+def test_mlp_host_cost_times_compiled_chunk_bodies():
+    script = str(REPO / "scripts" / "mlp_host_cost.py")
+    result = run_py([script, "--tokens", "64", "--chunks", "2", "--repeats", "4", "--dtype", "float32", "--compiled"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = _host_cost_rows(result.stdout)
+    assert list(rows) == ["mini-sequence Function, 2 chunks", "compiled chunk bodies, 2 chunks",
+                          "checkpointed, unsplit", "plain, unsplit"], result.stdout
+    # inductor's fused kernels are counted: fewer launches than the chunks' aten operators, but not none
+    assert 0 < rows["compiled chunk bodies, 2 chunks"][1] < rows["mini-sequence Function, 2 chunks"][1], result.stdout
+    refused = run_py([script, "--compiled"])
+    assert refused.returncode == 2 and "--dtype float32" in refused.stderr
+
+
+def test_mlp_host_cost_counts_generated_kernels(monkeypatch):
+    """A compiled function of one fused elementwise kernel: one launch, which the dispatcher never sees."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import torch._inductor.config as inductor_config
+    import mlp_host_cost
+
+    monkeypatch.setattr(inductor_config.cpp, "enable_kernel_profile", True)
+    fused = torch.compile(lambda t: (t.sin() * 2).cos(), fullgraph=True)
+    t = torch.randn(100)
+    fused(t)
+    assert mlp_host_cost.launches(lambda: fused(t)) == 1
 
 
 def test_cuda_check_refuses_a_bad_streaming_chunk(tmp_path):

@@ -594,8 +594,8 @@ PUBLISHED_BILLIONS = {"qwen3-14b": 14.8, "qwen3-32b": 32.8, "gemma3-12b": 11.8, 
 
 
 # Model cards that give whole billions: Qwen3.5-27B (its text stack: 26.9B; the card's 27B has the vision tower too),
-# Granite-4.0-H-Small (32B), Nemotron-H-8B (8B).
-PUBLISHED_WHOLE_BILLIONS = {"qwen3.5-27b": 27, "granite-4.0-h-small": 32, "nemotron-h-8b": 8}
+# Granite-4.0-H-Small (32B), Nemotron-H-8B (8B), Falcon-H1-34B (34B).
+PUBLISHED_WHOLE_BILLIONS = {"qwen3.5-27b": 27, "granite-4.0-h-small": 32, "nemotron-h-8b": 8, "falcon-h1-34b": 34}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED_BILLIONS) + list(PUBLISHED_WHOLE_BILLIONS))

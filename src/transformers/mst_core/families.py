@@ -467,6 +467,16 @@ CHECKPOINTS = {
                                          num_hidden_layers=52, num_attention_heads=32, num_key_value_heads=8,
                                          head_dim=128, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128,
                                          n_groups=8, conv_kernel=4, expand=2, tie_word_embeddings=False)),
+    # tiiuae/Falcon-H1-34B-Instruct (its config.json): 72 layers, each an attention block (20 query and 4 KV heads of
+    # 128) beside a Mamba2 mixer (32 heads of 128, state 256, 2 groups, RMS-normed output) and a dense MLP of 21504;
+    # untied head over 261120 tokens (33.64B parameters). The muP multipliers change no tensor's size.
+    "falcon-h1-34b": ("falcon_h1", dict(vocab_size=261120, hidden_size=5120, intermediate_size=21504,
+                                        num_hidden_layers=72, num_attention_heads=20, num_key_value_heads=4,
+                                        head_dim=128, mamba_d_ssm=4096, mamba_n_heads=32, mamba_d_head=128,
+                                        mamba_n_groups=2, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2,
+                                        mamba_chunk_size=128, mamba_conv_bias=True, mamba_proj_bias=False,
+                                        mamba_rms_norm=True, mamba_norm_before_gate=False, projectors_bias=False,
+                                        rope_theta=1e11, tie_word_embeddings=False)),
     # ai21labs/AI21-Jamba-1.5-Mini (its config.json): 32 layers, attention on every 8th from layer 4 (32 query and 8 KV
     # heads of 128), Mamba (selective scan, state 16, expand 2, dt rank 256) on the other 28; a MoE block of 16 experts
     # of 14336 (2 per token) on every odd layer, a dense MLP of 14336 on the even ones; untied head (51.6B parameters).
