@@ -182,9 +182,10 @@ _summing = threading.local()  # the active `summed_as_computed` contexts of this
 
 
 @contextlib.contextmanager
-def summed_as_computed(acc: list, params, fp32_sums: bool = True):
+def summed_as_computed(acc: list, params, fp32_sums=True):
     """While active, each gradient autograd computes for ``params[i]`` is added into ``acc[i]`` (`accumulate_grads`)
-    the moment it exists, by a tensor hook that hands autograd a zero of no storage in its place.
+    the moment it exists, by a tensor hook that hands autograd a zero of no storage in its place. ``fp32_sums``: whether
+    half-precision gradients are summed in fp32 (`_add_grad`), for all parameters or one bool per parameter.
 
     Why: `torch.autograd.grad` holds every gradient of a chunk until the chunk's whole backward is done, so one
     chunk's parameter gradients and the running sum lived together with the rest of that backward's temporaries.
@@ -204,7 +205,7 @@ def summed_as_computed(acc: list, params, fp32_sums: bool = True):
             # None: the weight was only used by linear layers that `LinearWeightGradsSummed` took over.
             # Not innermost: an inner context's computation, which sums this one.
             return None
-        _add_grad(acc, index, grad, fp32_sums)
+        _add_grad(acc, index, grad, fp32_sums if isinstance(fp32_sums, bool) else fp32_sums[index])
         if index not in zeros:  # a parameter's gradient always has its shape, dtype and device
             zeros[index] = grad.new_zeros(()).expand_as(grad)
         return zeros[index]

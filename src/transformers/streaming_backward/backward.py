@@ -21,7 +21,7 @@ from . import recurrent
 from .cache import BackwardCache, JoinedCache
 from .offload import kept_input
 from .rows import RowBlocks, row_blocks
-from .wrappers import parameter_grads
+from .wrappers import fp32_sums, parameter_grads
 
 
 class LayerBackward:
@@ -53,7 +53,7 @@ class LayerBackward:
         # Each parameter gradient is added into `acc` as autograd computes it (the calls below get zeros of no storage).
         with (
             restore_autocast_state(self.ctx.autocast_state),
-            summed_as_computed(self.acc, self.wanted),
+            summed_as_computed(self.acc, self.wanted, fp32_sums(streamed.layer, self.wanted)),
             streamed.views_of_one_mask(),
         ):
             self._keys_values()

@@ -39,7 +39,7 @@ from .config import streaming_chunk_size
 from .offload import input_storage, keep_input, kept_input, saved_tensors_offloaded
 from .parts import layer_config, positionwise_mixer, recurrent_mixer
 from .rows import row_inputs, slice_rows
-from .wrappers import layer_parameters, noting_uncalled_parameters, parameter_grads
+from .wrappers import fp32_sums, layer_parameters, noting_uncalled_parameters, parameter_grads
 
 
 # A packed batch's sequence boundaries, as a recurrent mixer's kernel reads them (Qwen3-Next's Gated DeltaNet passes
@@ -215,7 +215,7 @@ class StreamedRecurrentFunction(torch.autograd.Function):
         end_grads = (None, None)  # the gradients arriving at the current chunk's end states
         checked = False
         # Each parameter gradient is added into `acc` as autograd computes it (mst_core/grads.py).
-        with restore_autocast_state(ctx.autocast_state), summed_as_computed(acc, wanted):
+        with restore_autocast_state(ctx.autocast_state), summed_as_computed(acc, wanted, fp32_sums(call.layer, wanted)):
             for index in reversed(range(len(call.chunks))):
                 start, end = call.chunks[index]
                 leaves = [None if s is None else s.detach().requires_grad_() for s in ctx.starts[index]]

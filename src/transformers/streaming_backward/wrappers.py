@@ -104,6 +104,18 @@ def noting_uncalled_parameters(layer, found: set):
     )
 
 
+def fp32_sums(layer, params) -> list:
+    """Per parameter of `params` (the layer's that take a gradient), whether the streamed backward sums its
+    half-precision gradient over the chunks in fp32 (mst_core/grads.py `summed_as_computed`): all but a MoE block's
+    stacked expert weights (a module named `experts`, its 3-D parameters [experts, out, in]), summed in their own dtype
+    as the mini-sequence MoE block sums them (mini_sequence/moe.py). Their fp32 sum would hold twice their bf16 bytes
+    while the layer's backward runs: Jamba-Mini's 16 experts of 14336 per MoE layer, 10.5 GiB (planner,
+    docs/planner.md)."""
+    experts = {id(param) for name, module in layer.named_modules() if name.rpartition(".")[2] == "experts"
+               for param in module.parameters() if param.dim() == 3}
+    return [id(param) not in experts for param in params]
+
+
 def parameter_grads(acc, wanted, layer, uncalled: set):
     """The summed gradients `acc` of the parameters `wanted`, each in its parameter's dtype (None where it got none),
     after raising for any that got none though its module ran (`uncalled`: noting_uncalled_parameters)."""
