@@ -484,11 +484,11 @@ def test_bf16_as_accurate_as_upstream(family, monkeypatch):
     assert_bf16_as_accurate_as_upstream(family, streaming_backward_chunk=9)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "jamba"])
+@pytest.mark.parametrize("family", ["mixtral", "granitemoehybrid"])
 def test_bf16_expert_weights_summed_in_their_own_dtype(family, monkeypatch):
     """bf16, streamed: a MoE block's stacked expert weights ([experts, out, in]) have their gradients summed over the
     chunks in bf16, as the mini-sequence MoE block sums them; every other parameter in fp32. Through the attention
-    layer's backward (Mixtral) and the recurrent one's (Jamba's Mamba layers with MoE blocks), as accurate as
+    layer's backward (Mixtral) and the recurrent one's (Granite-4.0-H's Mamba2 layers, each with a MoE block), as accurate as
     upstream bf16 (fp32 sums: the same error to 2e-6 of 4e-3)."""
     from test_streaming import assert_bf16_as_accurate_as_upstream
     from transformers.mst_core import grads
