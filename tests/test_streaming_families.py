@@ -488,8 +488,8 @@ def test_bf16_as_accurate_as_upstream(family, monkeypatch):
 def test_bf16_expert_weights_summed_in_their_own_dtype(family, monkeypatch):
     """bf16, streamed: a MoE block's stacked expert weights ([experts, out, in]) have their gradients summed over the
     chunks in bf16, as the mini-sequence MoE block sums them; every other parameter in fp32. Through the attention
-    layer's backward (Mixtral) and the recurrent one's (Granite-4.0-H's Mamba2 layers, each with a MoE block), as accurate as
-    upstream bf16 (fp32 sums: the same error to 2e-6 of 4e-3)."""
+    layer's backward (Mixtral) and the recurrent one's (Granite-4.0-H's Mamba2 layers, each with a MoE block), as
+    accurate as upstream bf16 (Mixtral and Jamba with fp32 sums: the same error to 6e-6 of 4.3e-3)."""
     from test_streaming import assert_bf16_as_accurate_as_upstream
     from transformers.mst_core import grads
 
