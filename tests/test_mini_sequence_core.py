@@ -228,6 +228,21 @@ def test_mlp_no_grad_path():
     assert out.grad_fn is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sums_start_from_a_tensor_of_their_own(dtype):
+    """A gradient autograd expands from a reduction (the parameter's `sum()`: one element seen at every position)
+    starts a sum that the next chunk's gradient is added into in place: summed as computed, the result is the
+    sum of the chunks' gradients, not an error (in-place add into an expanded tensor) or a corrupted operand."""
+    weight = torch.randn(4, 3, dtype=dtype, requires_grad=True)
+    x = torch.randn(3, dtype=dtype)
+    acc = [None]
+    with core_grads.summed_as_computed(acc, [weight]):
+        torch.autograd.grad(2 * weight.sum(), [weight])  # the first chunk's gradient: 2, expanded
+        torch.autograd.grad((x @ weight.t()).sum(), [weight])
+    expected = x.double().expand(4, 3) + 2
+    torch.testing.assert_close(acc[0].double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+
+
 def test_mlp_param_accumulate_hooks_fire_once():
     # Gradients come out of the Function once per parameter: .grad is accumulated once, so
     # post-accumulate hooks (DDP / FSDP2 / DeepSpeed style) fire once per backward.

@@ -650,3 +650,25 @@ def test_a_long_chunk_scans_in_shards(family, monkeypatch):
     got = _step(family, 200, batches)
     assert (200, 128) in shards and (100, 128) in shards, shards
     _assert_exact(got, family, 200, batches)
+
+
+@pytest.mark.parametrize(("family", "where"), [("llama", "attention"), ("nemotron_h", "stateless")])
+def test_input_rows_without_a_gradient_are_refused(family, where, monkeypatch):
+    """The chunk driver (driver.py) refuses to return a layer input's gradient with some rows missing. Planted: the
+    recompute of one chunk hands back an output cut from its rows (tied to a parameter only): the last chunk of an
+    attention layer (no later chunk reads its K/V), a chunk of a block that mixes no tokens (Nemotron-H's MLP blocks,
+    no state to carry a gradient to its rows)."""
+    cls = streamed_layer.StreamedCall if where == "attention" else recurrent.RecurrentCall
+    real = cls.call
+
+    def cut(self, x_chunk, index, *args, **kwargs):
+        outs = real(self, x_chunk, index, *args, **kwargs)
+        planted = outs and torch.is_grad_enabled() and index == len(self.chunks) - 1
+        if planted and (where == "attention" or self.stateless):
+            weight = next(p for p in self.layer.parameters() if p.requires_grad)
+            outs = (outs[0].detach() + 0 * weight.sum(), *outs[1:])
+        return outs
+
+    monkeypatch.setattr(cls, "call", cut)
+    with pytest.raises(RuntimeError, match="the layer input got a gradient for some rows only"):
+        _step(family, 16, [_batch(family=family)])

@@ -28,7 +28,13 @@ def _add_grad(acc: list, i: int, g, fp32_sums: bool) -> None:
     if g is None:
         return
     if acc[i] is None:
-        acc[i] = g.float() if fp32_sums and g.dtype in (torch.float16, torch.bfloat16) else g
+        if fp32_sums and g.dtype in (torch.float16, torch.bfloat16):
+            acc[i] = g.float()
+        else:
+            # Summed into in place from here on: not a gradient autograd expanded from a reduction (`p.sum()`'s: one
+            # element seen at every position, which an in-place add refuses).
+            expanded = any(stride == 0 and size > 1 for stride, size in zip(g.stride(), g.shape))
+            acc[i] = g.clone(memory_format=torch.contiguous_format) if expanded else g
     else:
         acc[i].add_(g)
 

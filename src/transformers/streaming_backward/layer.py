@@ -32,9 +32,10 @@ state than the backward's K/V pass, so it computes them again instead of reading
 MoE router logits (`output_router_logits=True`) come back whole, with their graph, as one more output (router.py).
 
 A layer with a recurrent mixer beside its attention (Falcon-H1's; Zamba2's hybrid layers, whose shared attention block
-runs before the mixer) streams here too, its cache object for a chunk both seams (recurrent.StatesBesideKeysValues):
+runs before the mixer) streams here too, its cache object for a chunk both seams (states.py `StatesBesideKeysValues`):
 the forward keeps each chunk's start states, and each chunk's turn in the backward starts from them as leaves and
-takes the gradients the next chunk sent to its end states, as a recurrent layer does (recurrent.py).
+takes the gradients the next chunk sent to its end states, as a recurrent layer does (recurrent.py; both chunk
+loops' backward turns are the chunk driver's, driver.py).
 """
 
 import contextlib
@@ -46,7 +47,7 @@ from ..mst_core.chunks import inside_streamed_chunk, one_streamed_chunk, policy_
 from ..mst_core.families import streaming_model_types, streaming_refusal
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_rng_state
-from ..mst_core.router_logits import positions, token_major
+from ..mst_core.router_logits import token_major
 from ..mst_core.sharded_sequence import ShardedSequenceMask
 from ..mst_core.wrappers import refuse_create_graph, saved_once
 from .cache import (
@@ -65,6 +66,7 @@ from .checks import (
 from . import parts, recurrent, router
 from .backward import LayerBackward
 from .config import streaming_chunk_size
+from .driver import ChunkOutputs
 from .masks import (
     FLASH_VARLEN_KWARGS,
     OffsetChunkMasks,
@@ -80,6 +82,7 @@ from .masks import (
 from .offload import input_storage, keep_input, saved_tensors_offloaded
 from .projections import RecordedProjections, recordable_projections
 from .rows import row_inputs, slice_rows
+from .states import StateSeam, StatesBesideKeysValues, refuse_packed_sequences, state_chunks
 from .wrappers import layer_parameters, noting_uncalled_parameters
 from .zero3_leaves import leaf_gradients_queued_once
 
@@ -128,7 +131,7 @@ class StreamedCall:
         # recurrent layer's do (recurrent.py), through the same cache object as the chunk's K/V.
         self.states_mixer = parts.mixer_beside_attention(layer)
         if self.states_mixer is not None:
-            recurrent.refuse_packed_sequences(layer, arguments)
+            refuse_packed_sequences(layer, arguments)
             if self.sharded is not None:
                 raise ValueError(
                     f"{STREAMING_FIELD}: {type(layer).__name__} runs attention and a recurrent mixer side by side, "
@@ -151,8 +154,8 @@ class StreamedCall:
         self.causal_bias = mask is None and self.window is None and not (attn.training and getattr(attn, "attention_dropout", 0.0))
         chunk = streaming_chunk_size(getattr(config, STREAMING_FIELD), config.hidden_size,
                                      policy_device_type(hidden_states))
-        if self.states_mixer is not None:  # no one-token chunk after the first (recurrent.state_chunks)
-            self.chunks = recurrent.state_chunks(self.seq_len, chunk)
+        if self.states_mixer is not None:  # no one-token chunk after the first (states.py)
+            self.chunks = state_chunks(self.seq_len, chunk)
             chunk = max(end - start for start, end in self.chunks)
         else:
             self.chunks = [(start, min(start + chunk, self.seq_len)) for start in range(0, self.seq_len, chunk)]
@@ -178,8 +181,9 @@ class StreamedCall:
                 f"sequence, as left padding's do; here chunks {sorted(self.blind)} of {len(self.chunks)}. Unset the "
                 "field for this batch's mask."
             )
-        # The mixer's states at each chunk's start (conv, recurrent), recorded by the forward: None until known.
-        self.starts = [(None, None)] + [None] * (len(self.chunks) - 1)
+        # The mixer's states at each chunk's start (conv, recurrent), recorded by the forward: None until known; no
+        # list where no mixer carries states (the chunk driver's `starts`, driver.py).
+        self.starts = None if self.states_mixer is None else [(None, None)] + [None] * (len(self.chunks) - 1)
         self.uncalled_parameters = set()  # ids (wrappers.noting_uncalled_parameters)
         self.chunk_rng, self.kv_rng = None, {}
         # The chunks' masks as views of one tensor (masks.OffsetChunkMasks), on the CPU where the model passed no
@@ -210,7 +214,7 @@ class StreamedCall:
         """The layer's own forward on chunk `index` (rows of `x_chunk`; `rows`: the chunk's rows of `row_inputs` to
         pass instead of slices of them), its attention meeting `cache`: (its output,) or (its output, its router
         logits) (router.py); None where the layer stopped at the cache. A mixer beside the attention meets `seam`
-        (recurrent.StateSeam), by default one from the start states the forward recorded, recording the end states
+        (states.py `StateSeam`), by default one from the start states the forward recorded, recording the end states
         of a chunk whose successor's are not known yet."""
         start, end = self.chunks[index]
         kv_start, kv_end = self.key_ranges[index]
@@ -250,8 +254,8 @@ class StreamedCall:
                         f"streaming backward: {type(self.layer).__name__}'s chunk {index} ran before the mixer's "
                         "state at its start was known. Please report this with your setup."
                     )
-                seam = recording = recurrent.StateSeam(*self.starts[index])
-            kwargs[self.cache_name] = recurrent.StatesBesideKeysValues(cache, seam)
+                seam = recording = StateSeam(*self.starts[index])
+            kwargs[self.cache_name] = StatesBesideKeysValues(cache, seam)
         # The tokens before the chunk in the whole sequence (under Ulysses, the earlier ranks' shards too).
         cache.tokens_before = start + (self.sharded.first_token if self.sharded is not None else 0)
         try:
@@ -329,7 +333,7 @@ class StreamedCall:
     def run(self, x, record_rng=False):
         """The whole layer's outputs without graph ((out,) or (out, router logits), as `call`), and the K/V buffers."""
         buffers = [None, None, self.seq_len]
-        out = logits = None
+        outputs = ChunkOutputs(self.batch, self.seq_len)
         if record_rng:
             self.chunk_rng, self.kv_rng = [None] * len(self.chunks), {}
         for index in sorted(self.blind):  # their keys first; their outputs once every key exists
@@ -347,17 +351,8 @@ class StreamedCall:
                 self.chunk_rng[index] = capture_rng_state(x.device)
             # A blind chunk keeps the K/V its first pass wrote, which the other chunks read.
             cache = RecordingCache(buffers, start, end, *self.key_ranges[index], write=index not in self.blind)
-            chunk_out, *chunk_logits = self.call(x[:, start:end], index, cache)
-            if out is None:
-                out = chunk_out.new_empty(x.shape[:2] + chunk_out.shape[2:])
-                if chunk_logits:
-                    logits = chunk_logits[0].new_empty((self.batch * self.seq_len,) + chunk_logits[0].shape[1:])
-            out[:, start:end].copy_(chunk_out)
-            if logits is not None:
-                chunk_rows = chunk_logits[0].view(self.batch, end - start, -1)
-                positions(logits, (self.batch,))[:, start:end].copy_(chunk_rows)
-            del chunk_out, chunk_logits
-        return (out,) if logits is None else (out, logits), buffers[0], buffers[1]
+            outputs.put(self.call(x[:, start:end], index, cache), start, end)
+        return outputs.result(), buffers[0], buffers[1]
 
 
 class StreamedLayerFunction(torch.autograd.Function):
@@ -391,8 +386,8 @@ def _forward_with_checkpoints(streamed, x):
     forward, its chunk's recompute), as under checkpointing, not a third time in the layer's recompute."""
     from torch.utils.checkpoint import checkpoint
 
-    def seam(states):  # a mixer beside the attention (Falcon-H1) starts from `states`, with their graph
-        return None if streamed.states_mixer is None else recurrent.StateSeam(*states)
+    def seam(chunk_states):  # a mixer beside the attention (Falcon-H1) starts from them, with their graph
+        return None if streamed.states_mixer is None else StateSeam(*chunk_states)
 
     def chunk_output(x_chunk, keys, values, index, *states):
         """(out,) or (out, router logits); then the mixer's end states where one sits beside the attention."""

@@ -16,6 +16,20 @@ BLOCK_ROWS = 256
 MAX_BLOCKS = 16
 
 
+SOME_ROWS_ONLY = ("streaming backward: the layer input got a gradient for some rows only; refusing to return an "
+                  "incomplete gradient. Please report this with your setup.")
+
+
+def covers(ranges, start, end) -> bool:
+    """Whether the row ranges [(start, end)] together cover every row of [start, end)."""
+    reached = start
+    for first, last in sorted(ranges):
+        if first > reached:
+            return False
+        reached = max(reached, last)
+    return reached >= end
+
+
 def row_blocks(chunks):
     """Consecutive chunks [(start, end)] grouped into blocks of at least max(BLOCK_ROWS, sequence / MAX_BLOCKS)
     rows: [[first, end_chunk]]."""
@@ -37,6 +51,7 @@ class RowBlocks:
         self.starts = [start for start, _ in self.bounds]
         self.shape, self.device, self.dim, self.dtype = list(like.shape), like.device, dim, dtype
         self.parts = {}
+        self.added = set()  # the row ranges [start, end) added, for `whole`'s check that every row got a part
 
     @classmethod
     def holding(cls, chunks, blocks, total: torch.Tensor, dim: int) -> "RowBlocks":
@@ -52,6 +67,7 @@ class RowBlocks:
 
     def add(self, part: torch.Tensor, start: int, end: int) -> None:
         """Add `part` (rows [start, end) along `dim`) into the blocks it spans."""
+        self.added.add((start, end))
         block, row = self.block_of(start), start
         while row < end:
             block_start, block_end = self.bounds[block]
@@ -76,6 +92,14 @@ class RowBlocks:
     def pop(self, block: int) -> torch.Tensor | None:
         """Block `block`'s sum (None if nothing was added to it), no longer held here."""
         return self.parts.pop(block, None)
+
+    def whole(self) -> torch.Tensor:
+        """Every block's sum joined along `dim`, no longer held here; refused where a row got nothing (the layer
+        input's gradient: every chunk's rows get one)."""
+        if not covers(self.added, self.bounds[0][0], self.bounds[-1][1]):
+            raise RuntimeError(SOME_ROWS_ONLY)
+        parts = [self.parts.pop(block) for block in range(len(self.bounds))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
     def pop_or_zeros(self, block: int) -> torch.Tensor:
         """Block `block`'s sum (zeros if nothing was added to it), no longer held here."""
