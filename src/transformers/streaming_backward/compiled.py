@@ -60,7 +60,7 @@ from ..mst_core.custom_ops import (
 from ..mst_core.fields import STREAMING_FIELD
 from ..mst_core.wrappers import is_plain_parameter
 from . import router
-from .layer import FRESH_PER_CHUNK
+from .layer import FRESH_PER_CHUNK, StreamedCall
 from .offload import offload_requested
 from .parts import returned
 
@@ -205,7 +205,7 @@ def streamed_layer(
     state.argument_names = list(streamed.arguments)  # the call's arguments the chunks get (flash ones taken out)
     streamed.arguments = {}
     streamed.row_inputs = dict.fromkeys(streamed.row_inputs)
-    if hasattr(streamed, "mask"):  # an attention layer's `StreamedCall` (a `RecurrentCall` has none)
+    if isinstance(streamed, StreamedCall):  # an attention layer's call holds its mask (a recurrent one has none)
         streamed.mask = None
     token = next(_TOKENS)
     _PENDING[token] = state
@@ -227,7 +227,7 @@ def streamed_layer_backward(
     state = _PENDING.pop(int(token))
     kwargs, _, router_logits = _decode(text, tensors)
     streamed = state.call
-    if hasattr(streamed, "mask"):
+    if isinstance(streamed, StreamedCall):
         streamed.mask = kwargs.pop(streamed.mask_name, None)
     streamed.arguments = {name: kwargs[name] for name in state.argument_names}
     rows = streamed.row_inputs

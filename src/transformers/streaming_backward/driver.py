@@ -92,13 +92,13 @@ class ChunksBackward:
         # The K/V buffers and their gradient sums (backward.py), for chunks whose cache has K/V leaves.
         self.grad_keys = self.grad_values = None
 
+    @contextlib.contextmanager
     def summing(self):
         """The context of the whole backward: the forward's autocast state, and each parameter gradient added into
         `acc` as autograd computes it (the `autograd.grad` calls get zeros of no storage)."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(restore_autocast_state(self.ctx.autocast_state))
-        stack.enter_context(summed_as_computed(self.acc, self.wanted, fp32_sums(self.call.layer, self.wanted)))
-        return stack
+        sums_in_fp32 = fp32_sums(self.call.layer, self.wanted)
+        with restore_autocast_state(self.ctx.autocast_state), summed_as_computed(self.acc, self.wanted, sums_in_fp32):
+            yield
 
     def input_rows(self, like: torch.Tensor, dtype: torch.dtype):
         """The input gradient's rows (`WholeRows` here; row blocks for attention layers)."""
