@@ -663,3 +663,147 @@ def test_trainer_torch_compile_trains_as_eager_unset(tmp_path, family, fields, c
     worst = max(updates, key=lambda name: rel_err(updates[name], ref_updates[name]))
     # 1e-4: compiling alone, fields unset, moves the Llama case's q_proj update by 4.6e-5 (fields set: the same)
     assert rel_err(updates[worst], ref_updates[worst]) < 1e-4, (worst, rel_err(updates[worst], ref_updates[worst]))
+
+
+def _host_mask_calls(monkeypatch):
+    """How many times the host-mask attention operator's kernels ran (mst_core/host_mask.py `_call`: forward kernel,
+    and once more inside its backward kernel)."""
+    from transformers.mst_core import host_mask
+
+    calls, call = [0], host_mask._call
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(host_mask, "_call", counted)
+    return calls
+
+
+def packed_batch(seed=0):
+    """Two rows of packed sequences (position ids restarting at 0: 70 + 130 tokens, 120 + 80), no attention mask;
+    each sequence's first label ignored, as a packing collator does."""
+    ids, _, labels = batch(seed)
+    positions = torch.stack([torch.cat([torch.arange(70), torch.arange(130)]),
+                             torch.cat([torch.arange(120), torch.arange(80)])])
+    labels = labels.clone()
+    labels[positions == 0] = -100
+    return ids, positions, labels
+
+
+def packed_loss_of(model, ids, positions, labels):
+    return model(input_ids=ids, position_ids=positions, labels=labels).loss
+
+
+@pytest.mark.parametrize("fields,checkpointing,kernel_calls", [
+    # 2 layers x (forward, the checkpointed layer's recompute, the backward kernel's recompute)
+    (dict(mini_sequence_chunk=48), True, 2 * 3),
+    (dict(mini_sequence_chunk=48), False, 2 * 2),
+    (dict(streaming_backward_chunk=48), False, 0),  # the streamed layers' operator builds it in its own kernels
+    (dict(mini_sequence_chunk=48, streaming_backward_chunk=48), False, 0),
+])
+@pytest.mark.parametrize("inputs", ["packed", "padded"])
+def test_compiled_step_decides_the_mask_on_the_host(monkeypatch, fields, checkpointing, kernel_calls, inputs):
+    """Under torch.compile with a field set, the causal mask is decided on the host as the eager step decides it
+    (mst_core/host_mask.py): packed sequences (position ids restarting, no attention mask) and left padding, exact
+    against the eager unsplit step, `fullgraph=True`; the attention ran through the host-mask operator where no
+    streamed layer took the call. Fails if the operator's mask differs from the eager one (a packed row attending
+    across its sequences, a padded key read)."""
+    step, data = (packed_loss_of, packed_batch()) if inputs == "packed" else (loss_of, batch())
+
+    def train(compiled, **fields):
+        model = make_model("llama", seed=1, use_cache=False, attn_implementation="sdpa", **fields).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        torch._dynamo.reset()
+        loss = (torch.compile(step, fullgraph=True) if compiled else step)(model, *data)
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+    ref = train(False)
+    calls = _host_mask_calls(monkeypatch)
+    assert_same_step(train(True, **fields), ref)
+    assert calls[0] == kernel_calls, calls
+
+
+def test_compiled_step_without_fields_builds_the_mask_as_upstream():
+    """With every field unset, a traced mask function is upstream's: under torch.compile it returns the mask tensor
+    (torch < 2.14 cannot skip it while tracing), never a `HostMask`."""
+    from transformers import masking_utils
+    from transformers.mst_core.host_mask import HostMask
+
+    results = {}
+    for name, fields in (("unset", {}), ("set", dict(mini_sequence_chunk=48))):
+        config = make_model("llama", attn_implementation="sdpa", **fields).config
+
+        def create(embeds, positions):
+            results[name] = masking_utils.create_causal_mask(
+                config=config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions
+            )
+            return embeds.sum()
+
+        torch._dynamo.reset()
+        torch.compile(create, fullgraph=True)(torch.randn(1, 16, 4), torch.arange(16)[None])
+    assert isinstance(results["set"], HostMask)
+    assert isinstance(results["unset"], torch.Tensor) and results["unset"].shape == (1, 1, 16, 16)
+
+
+def test_host_mask_keeps_the_eager_memory(monkeypatch):
+    """The point of deciding on the host: built in the graph, the [S, S] mask lives through the compiled step (and
+    SDPA's CPU kernel takes it as a float mask); decided on the host, the causal kernel needs none. One narrow layer,
+    2048 tokens, `mini_sequence+checkpointing`: the step must peak lower than the same step with the mask built in the
+    graph by at least the [2048, 2048] bool mask."""
+    from transformers.mst_core import host_mask
+
+    ids = torch.randint(1, 128, (1, 2048), generator=torch.Generator().manual_seed(0))
+
+    def peak(**patches):
+        for name, value in patches.items():
+            monkeypatch.setattr(host_mask, name, value)
+        model = make_model("llama", seed=1, attn_implementation="sdpa", use_cache=False, num_hidden_layers=1,
+                           mini_sequence_chunk=256).train()
+        model.gradient_checkpointing_enable()
+        result = _compiled_step_peak(model, ids)
+        monkeypatch.undo()
+        return result
+
+    decided_on_host = peak()
+    built_in_graph = peak(_field_set=lambda config: False)
+    assert decided_on_host < built_in_graph - 2048 * 2048, (decided_on_host, built_in_graph)
+
+
+def test_host_mask_operators_pass_opcheck():
+    """torch.library.opcheck on the host-mask attention operator (schema, fake tensor, autograd registration) as the
+    compiled graph calls it: a registered attention module, a left-padded mask and one without padding."""
+    from transformers.mst_core import host_mask
+    from transformers.mst_core.custom_ops import module_key
+
+    model = make_model("llama", seed=1, mini_sequence_chunk=48).train()
+    attention = model.model.layers[0].self_attn
+    heads, kv_heads, width = attention.config.num_attention_heads, attention.config.num_key_value_heads, attention.head_dim
+    for padding in (0, 7):
+        mask = torch.ones(2, 50, dtype=torch.bool)
+        mask[1, :padding] = False
+        deferred = host_mask.HostMask("create_causal_mask", mask, None)
+        text = repr((deferred.text(), [], attention.scaling, None, [], ""))
+        args = (torch.randn(2, heads, 50, width, requires_grad=True), torch.randn(2, kv_heads, 50, width, requires_grad=True),
+                torch.randn(2, kv_heads, 50, width, requires_grad=True), deferred.tensors(), module_key(attention), text)
+        torch.library.opcheck(host_mask.host_mask_sdpa, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("name", ["create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"])
+def test_host_mask_wrapper_takes_upstreams_parameters(name):
+    """`decided_on_host` spells out the parameters of the mask functions it wraps (dynamo traces it; binding a
+    signature would not trace): they must be upstream's, in upstream's order, with upstream's defaults, or a rebase
+    that adds one would pass it to the wrong parameter."""
+    import inspect
+
+    from transformers import masking_utils
+    from transformers.mst_core.host_mask import _UPSTREAM
+
+    wrapper = getattr(masking_utils, name).__wrapped__  # under upstream's `deprecate_kwarg`
+    assert wrapper.__wrapped__ is _UPSTREAM[name]
+    ours = inspect.signature(wrapper, follow_wrapped=False).parameters.values()
+    upstream = inspect.signature(_UPSTREAM[name]).parameters.values()
+    assert [(p.name, p.default) for p in ours] == [(p.name, p.default) for p in upstream]

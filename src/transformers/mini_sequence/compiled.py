@@ -41,6 +41,7 @@ from ..mst_core.custom_ops import (
     autocast_text,
     autograd_in_kernel,
     can_run_eager_kernels,
+    kernel_autocast_state,
     module_key,
     name_modules,
     named_module,
@@ -149,19 +150,9 @@ def mini_sequence_chunks_backward(
         grad_x, param_grads = backward_chunks(
             x, tuple(params), forward_fn, module, chunk_size, fp32_sums, (grad,), needs_x, [True] * len(params),
             rng_state=capture_rng_state(x.device),  # nothing drew from it (the forward kernel checks)
-            autocast_state=_autocast_state(autocast, x.device.type),
+            autocast_state=kernel_autocast_state(autocast, x.device.type),
         )
     return [grad_x if grad_x is not None else x.new_empty(0), *param_grads]
-
-
-def _autocast_state(autocast, device_type):
-    """`autocast` [(device type, dtype)] as `restore_autocast_state` takes it, every device type's state explicit:
-    `autograd_in_kernel` lifts the exclusion of the autocast dispatch keys, which is what keeps autocast off. Without
-    autocast's cache of cast weights (`autocast_in_kernel` says why)."""
-    enabled = dict(autocast)
-    states = [(dev, dev in enabled, enabled.get(dev, torch.get_autocast_dtype(dev)))
-              for dev in dict.fromkeys([device_type, "cpu"])]
-    return states, False
 
 
 @mini_sequence_chunks_backward.register_fake
@@ -233,7 +224,7 @@ def mini_sequence_loss(
     if sliced:
         with autocast_in_kernel(autocast), torch.no_grad():
             return list(loss.sliced_loss(hidden, labels, chunk_size, lm_head, softcap, ignore_index, divisor))
-    with autograd_in_kernel(), restore_autocast_state(_autocast_state(autocast, hidden.device.type)):
+    with autograd_in_kernel(), restore_autocast_state(kernel_autocast_state(autocast, hidden.device.type)):
         value, grad_hidden, sums = loss.loss_and_grads(
             hidden, labels, chunk_size, lm_head, softcap, ignore_index, vocab_size, divisor, params, params, needs_hidden
         )
@@ -265,7 +256,7 @@ def mini_sequence_loss_backward(
 
     autocast, _, _ = _decode(text)
     # autograd: through a soft-cap
-    with autograd_in_kernel(), restore_autocast_state(_autocast_state(autocast, hidden.device.type)):
+    with autograd_in_kernel(), restore_autocast_state(kernel_autocast_state(autocast, hidden.device.type)):
         grad_hidden, grad_weight = loss.sliced_grads(
             grad_total, hidden, labels, lse, divisor, named_module(key), softcap, ignore_index, chunk_size, needs_hidden
         )

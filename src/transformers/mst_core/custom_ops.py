@@ -98,6 +98,16 @@ def autocast_in_kernel(autocast):
         yield
 
 
+def kernel_autocast_state(autocast, device_type: str):
+    """`autocast` [(device type, dtype)] as `replay.restore_autocast_state` takes it in a backward kernel, every device
+    type's state explicit: `autograd_in_kernel` lifts the exclusion of the autocast dispatch keys, which is what keeps
+    autocast off. Without autocast's cache of casts (`autocast_in_kernel` says why)."""
+    enabled = dict(autocast)
+    states = [(dev, dev in enabled, enabled.get(dev, torch.get_autocast_dtype(dev)))
+              for dev in dict.fromkeys([device_type, "cpu"])]
+    return states, False
+
+
 @contextlib.contextmanager
 def autograd_in_kernel():
     """Autograd inside a backward operator's kernel: it runs below autograd, with the autograd and autocast dispatch

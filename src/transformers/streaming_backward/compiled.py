@@ -58,11 +58,12 @@ from ..mst_core.custom_ops import (
     op_name,
 )
 from ..mst_core.fields import STREAMING_FIELD
+from ..mst_core.host_mask import HostMask, built_masks
 from ..mst_core.wrappers import is_plain_parameter
 from . import router
 from .layer import FRESH_PER_CHUNK, StreamedCall
 from .offload import offload_requested
-from .parts import returned
+from .parts import layer_config, returned
 
 
 _TOKENS = itertools.count()
@@ -103,6 +104,9 @@ def _encode(kwargs, device_type, router_logits=None):
         elif isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
             parts.append(f"{name}=u{len(tensors)},{len(value)}")
             tensors.extend(value)
+        elif isinstance(value, HostMask):  # the mask, decided by the kernels on the host (mst_core/host_mask.py)
+            parts.append(f"{name}=h{len(tensors)}:{value.text()}")
+            tensors.extend(value.tensors())
         elif value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and ";" not in value):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 # A number dynamo made dynamic (a layer index a resumed frame reads): specialized, as the text needs.
@@ -136,6 +140,9 @@ def _decode(text, tensors):
         elif spec[0] == "u":
             first, count = map(int, spec[1:].split(","))
             kwargs[name] = tuple(tensors[first : first + count])
+        elif spec[0] == "h":
+            first, mask_text = spec[1:].split(":", 1)
+            kwargs[name] = HostMask.from_text(mask_text, tensors[int(first) :])
         else:
             kwargs[name] = ast.literal_eval(spec[1:])
     return kwargs, autocast, router_logits
@@ -174,6 +181,7 @@ def streamed_layer(
     backward)."""
     layer = named_module(key)
     kwargs, autocast, router_logits = _decode(text, tensors)
+    kwargs = built_masks(layer_config(layer), kwargs, hidden)
     with autocast_in_kernel(autocast):
         streamed, function = _prepared_call(layer, hidden, kwargs)
         # The kernel runs outside the model's forward as upstream's collector sees it: told by the traced call.
@@ -185,7 +193,7 @@ def streamed_layer(
                 "traced graph differentiates; please report this with your model."
             )
         state = _State()
-        state.call, state.function = streamed, function
+        state.call, state.function, state.layer = streamed, function, layer
         state.needs_input_grad = (True, False, False) + (True,) * (len(rows) + len(params))
         with torch.no_grad():
             out = function.forward(state, hidden, streamed, None, *rows.values(), *params)
@@ -226,6 +234,7 @@ def streamed_layer_backward(
 ) -> list[torch.Tensor]:
     state = _PENDING.pop(int(token))
     kwargs, _, router_logits = _decode(text, tensors)
+    kwargs = built_masks(layer_config(state.layer), kwargs, hidden)
     streamed = state.call
     if isinstance(streamed, StreamedCall):
         streamed.mask = kwargs.pop(streamed.mask_name, None)
