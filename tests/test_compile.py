@@ -666,8 +666,7 @@ def test_trainer_torch_compile_trains_as_eager_unset(tmp_path, family, fields, c
 
 
 def _host_mask_calls(monkeypatch):
-    """How many times the host-mask attention operator's kernels ran (mst_core/host_mask.py `_call`: forward kernel,
-    and once more inside its backward kernel)."""
+    """How many times the host-mask attention operator's forward kernel ran (mst_core/host_mask.py `_call`)."""
     from transformers.mst_core import host_mask
 
     calls, call = [0], host_mask._call
@@ -696,9 +695,9 @@ def packed_loss_of(model, ids, positions, labels):
 
 
 @pytest.mark.parametrize("fields,checkpointing,kernel_calls", [
-    # 2 layers x (forward, the checkpointed layer's recompute, the backward kernel's recompute)
-    (dict(mini_sequence_chunk=48), True, 2 * 3),
-    (dict(mini_sequence_chunk=48), False, 2 * 2),
+    # 2 layers x (forward, the checkpointed layer's recompute): the backward kernel recomputes nothing
+    (dict(mini_sequence_chunk=48), True, 2 * 2),
+    (dict(mini_sequence_chunk=48), False, 2),
     (dict(streaming_backward_chunk=48), False, 0),  # the streamed layers' operator builds it in its own kernels
     (dict(mini_sequence_chunk=48, streaming_backward_chunk=48), False, 0),
 ])
@@ -707,8 +706,11 @@ def test_compiled_step_decides_the_mask_on_the_host(monkeypatch, fields, checkpo
     """Under torch.compile with a field set, the causal mask is decided on the host as the eager step decides it
     (mst_core/host_mask.py): packed sequences (position ids restarting, no attention mask) and left padding, exact
     against the eager unsplit step, `fullgraph=True`; the attention ran through the host-mask operator where no
-    streamed layer took the call. Fails if the operator's mask differs from the eager one (a packed row attending
-    across its sequences, a padded key read)."""
+    streamed layer took the call, and no graph it kept outlives the step (a checkpointed layer's first forward
+    leaves one the backward never takes). Fails if the operator's mask differs from the eager one (a packed row
+    attending across its sequences, a padded key read)."""
+    from transformers.mst_core import host_mask
+
     step, data = (packed_loss_of, packed_batch()) if inputs == "packed" else (loss_of, batch())
 
     def train(compiled, **fields):
@@ -724,6 +726,7 @@ def test_compiled_step_decides_the_mask_on_the_host(monkeypatch, fields, checkpo
     calls = _host_mask_calls(monkeypatch)
     assert_same_step(train(True, **fields), ref)
     assert calls[0] == kernel_calls, calls
+    assert not host_mask._PENDING
 
 
 def test_compiled_step_without_fields_builds_the_mask_as_upstream():
@@ -785,7 +788,7 @@ def test_host_mask_operators_pass_opcheck():
         mask = torch.ones(2, 50, dtype=torch.bool)
         mask[1, :padding] = False
         deferred = host_mask.HostMask("create_causal_mask", mask, None)
-        text = repr((deferred.text(), [], attention.scaling, None, [], ""))
+        text = repr((deferred.text(), [], attention.scaling, None, [], "", "float32"))
         args = (torch.randn(2, heads, 50, width, requires_grad=True), torch.randn(2, kv_heads, 50, width, requires_grad=True),
                 torch.randn(2, kv_heads, 50, width, requires_grad=True), deferred.tensors(), module_key(attention), text)
         torch.library.opcheck(host_mask.host_mask_sdpa, args,
@@ -807,3 +810,20 @@ def test_host_mask_wrapper_takes_upstreams_parameters(name):
     ours = inspect.signature(wrapper, follow_wrapped=False).parameters.values()
     upstream = inspect.signature(_UPSTREAM[name]).parameters.values()
     assert [(p.name, p.default) for p in ours] == [(p.name, p.default) for p in upstream]
+
+
+def test_host_mask_attention_refuses_a_second_backward():
+    """The operator's backward takes the graph its forward kept, once: a second backward through the same call says
+    so instead of backpropagating something else."""
+    from transformers.mst_core import host_mask
+    from transformers.mst_core.custom_ops import module_key
+
+    model = make_model("llama", seed=1, mini_sequence_chunk=48).train()
+    attention = model.model.layers[0].self_attn
+    heads, width = attention.config.num_attention_heads, attention.head_dim
+    query, key, value = (torch.randn(1, heads, 20, width, requires_grad=True) for _ in range(3))
+    text = repr((host_mask.HostMask("create_causal_mask", None, None).text(), [], attention.scaling, None, [], "", "float32"))
+    out, _ = host_mask.host_mask_sdpa(query, key, value, [], module_key(attention), text)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already backpropagated"):
+        out.sum().backward()

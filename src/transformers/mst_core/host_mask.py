@@ -25,12 +25,13 @@ position bias), the mask is built in the graph as upstream builds it under compi
 import ast
 import dataclasses
 import functools
+import itertools
+import weakref
 
 import torch
 
 from .custom_ops import (
     autocast_entry,
-    autocast_in_kernel,
     autocast_text,
     autograd_in_kernel,
     can_run_eager_kernels,
@@ -154,75 +155,109 @@ def host_mask_attention(module, query, key, value, attention_mask: HostMask, dro
     ):
         mask = attention_mask.built(module.config, query.transpose(1, 2))
         return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, is_causal, **kwargs)
+    # The output's dtype, which the graph needs before the kernel runs (autocast casts SDPA's inputs): upstream's call
+    # on the first query while tracing, dead code that inductor drops.
+    first = sdpa_attention_forward(module, query[:, :, :1], key, value, None, 0.0, scaling, False, **kwargs)[0]
     text = repr((
         attention_mask.text(), list(tensors), scaling, is_causal, sorted(constants.items()),
-        autocast_text(query.device.type),
+        autocast_text(query.device.type), str(first.dtype).removeprefix("torch."),
     ))
-    return host_mask_sdpa(query, key, value, [*attention_mask.tensors(), *tensors.values()], key_of_module, text), None
+    out, _ = host_mask_sdpa(query, key, value, [*attention_mask.tensors(), *tensors.values()], key_of_module, text)
+    return out, None
 
 
 def _decoded(text):
     """(the mask's text, the other tensors' names, scaling, is_causal, the constants, the autocast contexts
-    [(device type, dtype)]), as `host_mask_attention` wrote them."""
-    mask_text, names, scaling, is_causal, constants, autocast = ast.literal_eval(text)
+    [(device type, dtype)], the output's dtype), as `host_mask_attention` wrote them."""
+    mask_text, names, scaling, is_causal, constants, autocast, out_dtype = ast.literal_eval(text)
     autocast = [autocast_entry(part.split("=", 1)[1]) for part in filter(None, autocast.split(";"))]
-    return mask_text, names, scaling, is_causal, dict(constants), autocast
+    return mask_text, names, scaling, is_causal, dict(constants), autocast, getattr(torch, out_dtype)
 
 
 def _call(query, key, value, tensors, key_of_module, text):
     """Upstream's SDPA attention function on these inputs, with the mask built on the host."""
     from ..integrations.sdpa_attention import sdpa_attention_forward
 
-    mask_text, names, scaling, is_causal, constants, _ = _decoded(text)
+    mask_text, names, scaling, is_causal, constants, _, _ = _decoded(text)
     module = named_module(key_of_module)
     kwargs = dict(zip(names, tensors[len(tensors) - len(names) :]), **constants)
     mask = HostMask.from_text(mask_text, tensors).built(module.config, query.transpose(1, 2))
     return sdpa_attention_forward(module, query, key, value, mask, 0.0, scaling, is_causal, **kwargs)[0]
 
 
+_TOKENS = itertools.count()
+_PENDING = {}  # token -> (query, key, value leaves, output) of a forward whose backward has not run yet
+
+
 @torch.library.custom_op(op_name("host_mask_attention"), mutates_args=())
 def host_mask_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tensors: list[torch.Tensor], key_of_module: int,
     text: str,
-) -> torch.Tensor:
-    with autocast_in_kernel(_decoded(text)[5]):
-        return _call(query, key, value, tensors, key_of_module, text)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(upstream's attention output, a token naming this call's graph for its backward). The kernel keeps the call's
+    autograd graph (what SDPA saves, as the eager step keeps it) under the token, a second output that the compiled
+    graph saves for the backward. A token the graph does not save (a checkpointed layer's first forward, whose
+    backward recomputes the layer: the recompute's own call takes the backward) is freed at once, and the graph with
+    it (`weakref.finalize`)."""
+    leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+    autocast_state = kernel_autocast_state(_decoded(text)[5], query.device.type)
+    with autograd_in_kernel(), restore_autocast_state(autocast_state), torch.enable_grad():
+        out = _call(*leaves, tensors, key_of_module, text)
+    if out.dtype != _decoded(text)[6]:
+        raise RuntimeError(
+            f"transformers-mst under torch.compile: the attention returned {out.dtype}, the traced graph expected "
+            f"{_decoded(text)[6]}; train without torch.compile, and please report this with your model."
+        )
+    number = next(_TOKENS)
+    token = torch.tensor(number, dtype=torch.int64)
+    _PENDING[number] = leaves, out
+    weakref.finalize(token, _PENDING.pop, number, None)
+    return out.detach(), token
 
 
 @host_mask_sdpa.register_fake
 def _(query, key, value, tensors, key_of_module, text):
     # [batch, queries, heads, value width], as upstream's function returns it
-    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1], dtype=_decoded(text)[6])
+    return out, torch.empty((), dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op(op_name("host_mask_attention_backward"), mutates_args=())
 def host_mask_sdpa_backward(
-    grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tensors: list[torch.Tensor],
-    key_of_module: int, text: str,
+    grad: torch.Tensor, token: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> list[torch.Tensor]:
-    leaves = [t.detach().requires_grad_() for t in (query, key, value)]
-    autocast_state = kernel_autocast_state(_decoded(text)[5], query.device.type)
-    with autograd_in_kernel(), restore_autocast_state(autocast_state), torch.enable_grad():
-        out = _call(*leaves, tensors, key_of_module, text)
+    """The gradients of the query, key and value: the forward's graph, backpropagated once. The graph saves the three
+    for this operator, so that inductor keeps their memory (which the kept graph reads) until it runs."""
+    pending = _PENDING.pop(int(token), None)
+    if pending is None:
+        raise RuntimeError(
+            "transformers-mst: the compiled attention's graph was already backpropagated (a second backward through "
+            "one compiled step, retain_graph=True, is not supported with a field of ours set) or never kept."
+        )
+    leaves, out = pending
+    # The recorded graph's backward, with autocast off (its casts are recorded)
+    with autograd_in_kernel(), restore_autocast_state(kernel_autocast_state([], query.device.type)):
         grads = torch.autograd.grad(out, leaves, grad)
     # In the layout of the inputs, as the fake says (a copy only where they differ: the repeated keys' gradients)
-    return [g if g.stride() == t.stride() else torch.empty_like(t).copy_(g) for g, t in zip(grads, leaves)]
+    return [g if g.stride() == t.stride() else torch.empty_like(t).copy_(g) for g, t in zip(grads, (query, key, value))]
 
 
 @host_mask_sdpa_backward.register_fake
-def _(grad, query, key, value, tensors, key_of_module, text):
+def _(grad, token, query, key, value):
     return [torch.empty_like(t) for t in (query, key, value)]
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, tensors, key_of_module, text = inputs
-    ctx.key_of_module, ctx.text, ctx.count = key_of_module, text, len(tensors)
-    ctx.save_for_backward(query, key, value, *tensors)
+    ctx.count = len(tensors)
+    ctx.mark_non_differentiable(output[1])
+    # The graph kept under the token reads the inputs' memory and may read the output's (SDPA saves its output, which
+    # the returned tensor can be): saved here, inductor neither frees nor reuses them before the backward operator.
+    ctx.save_for_backward(output[1], query, key, value, output[0])
 
 
-def _backward(ctx, grad):
-    query, key, value, *tensors = ctx.saved_tensors
-    grads = host_mask_sdpa_backward(grad, query, key, value, tensors, ctx.key_of_module, ctx.text)
+def _backward(ctx, grad, grad_token):
+    grads = host_mask_sdpa_backward(grad, *ctx.saved_tensors[:4])
     return grads[0], grads[1], grads[2], [None] * ctx.count, None, None
 
 

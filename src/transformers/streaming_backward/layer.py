@@ -46,6 +46,7 @@ import torch
 from ..mst_core.chunks import inside_streamed_chunk, one_streamed_chunk, policy_device_type
 from ..mst_core.families import streaming_model_types, streaming_refusal
 from ..mst_core.fields import STREAMING_FIELD
+from ..mst_core.host_mask import HostMask, built_masks
 from ..mst_core.replay import capture_autocast_state, capture_rng_state, restore_rng_state
 from ..mst_core.router_logits import token_major
 from ..mst_core.sharded_sequence import ShardedSequenceMask
@@ -478,6 +479,14 @@ def decoder_layer_forward(forward, layer, *args, **kwargs):
     return _eager_forward(forward, layer, *args, **kwargs)
 
 
+def _masks_built(layer, args, kwargs):
+    """(args, kwargs) with each mask a compiled model decided on the host (mst_core/host_mask.py) built, for the
+    eager call (a traced one crosses compiled.py's operator with it)."""
+    config, like = parts.layer_config(layer), args[0] if args else kwargs["hidden_states"]
+    args = tuple(value.built(config, like) if isinstance(value, HostMask) else value for value in args)
+    return args, built_masks(config, kwargs, like)
+
+
 def streams_through_states(layer) -> bool:
     """Whether `layer` streams by chunks of tokens through its recurrent state (recurrent.py; no state for a block
     that mixes no tokens), not by query chunks meeting the K/V cache (`StreamedCall`, with a mixer beside its attention
@@ -552,6 +561,7 @@ def prepared_recurrent_call(forward, layer, args, kwargs):
 def _recurrent_eager_forward(forward, layer, *args, **kwargs):
     """The streamed call of a recurrent layer run eagerly; under torch.compile where compiled.py's operator does not
     apply (one graph break)."""
+    args, kwargs = _masks_built(layer, args, kwargs)
     call, hidden_states = prepared_recurrent_call(forward, layer, args, kwargs)
     return parts.returned(layer, router.hand_over(recurrent.streamed_outputs(call, layer, hidden_states)))
 
@@ -562,6 +572,7 @@ def _eager_forward(forward, layer, *args, **kwargs):
     break). Dynamo cannot trace it: the backward takes `torch.autograd.grad` of each recomputed chunk, and the forward
     stops the layer at the cache by raising; traced, dynamo fell back to eager in parts of the layer with more breaks
     (11 against 5 on a 2-layer Llama at 2K tokens) and a slower step (docs/limits.md)."""
+    args, kwargs = _masks_built(layer, args, kwargs)
     streamed, hidden_states = prepared_call(forward, layer, args, kwargs)
     # as many values as the layer's own forward returns (Bamba's: a tuple)
     return parts.returned(layer, router.hand_over(_streamed_outputs(streamed, layer, hidden_states)))
