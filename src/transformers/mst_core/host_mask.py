@@ -12,14 +12,17 @@ with one set, a compiled step does not build it in the graph:
 - upstream's SDPA attention function hands a `HostMask` to `host_mask_attention` (patch 0016): one custom operator
   of the graph (`transformers_mst::host_mask_attention_<release>`) whose kernel calls the same mask function eagerly
   on the real inputs, then upstream's `sdpa_attention_forward` with what it returned (no mask, or the mask the eager
-  step would have built); its backward operator recomputes that call with graph and takes its gradients (one more
-  attention forward per layer: a custom operator cannot keep the forward's graph past a checkpointed layer's
-  recompute);
-- a streamed layer's operator (streaming_backward/compiled.py) takes a `HostMask` the same way: its kernel builds the
-  mask on the host before the streamed forward and again before the streamed backward.
+  step would have built), with graph; it keeps that graph under a token, its second output, for its backward operator
+  (one `autograd.grad`). The compiled graph saves the token, the query, key, value and output for that backward: the
+  kept graph reads their memory, which inductor must neither free nor reuse before. A token the graph does not save (a
+  checkpointed layer's first forward: the layer is recomputed for its backward, and the recompute's call is the one
+  backpropagated) is freed at once, with its graph;
+- a streamed layer's operator (streaming_backward/compiled.py) takes a `HostMask` the same way: its kernels build the
+  mask on the host before the streamed forward and again before the streamed backward; so does a streamed layer's
+  eager call (streaming_backward/layer.py).
 
-Where a call cannot cross (a module without a key, dropout in the attention, other tensors for SDPA such as a
-position bias), the mask is built in the graph as upstream builds it under compile (`HostMask.built`).
+Where a call cannot cross (an attention module without a key, dropout in the attention, a tensor argument that
+requires grad), the mask is built in the graph as upstream builds it under compile (`HostMask.built`).
 """
 
 import ast
