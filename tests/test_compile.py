@@ -6,6 +6,8 @@ the graph (mini_sequence/compiled.py), and keep the eager step's memory; where d
 recomputation of a chunk under compile replays the forward's masks. streaming_backward_chunk: each streamed layer call
 is one operator of the graph (streaming_backward/compiled.py), exact."""
 
+import re
+
 import pytest
 import torch
 
@@ -827,3 +829,131 @@ def test_host_mask_attention_refuses_a_second_backward():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="already backpropagated"):
         out.sum().backward()
+
+
+def _choices(ours):
+    """(inductor's choices handler for this thread, the config value that keys its caches): ours or inductor's own."""
+    from torch._inductor.choices import InductorChoices
+
+    from transformers.mst_core.recompute_fusion import recompute_choices
+
+    return (recompute_choices(), recompute_choices) if ours else (InductorChoices(), None)
+
+
+def _compiled_with(ours, run):
+    """`run()` compiled under our inductor choices or inductor's own (the thread's handler and the config, which keys
+    inductor's caches), then ours again, as a model with a field installs them. (Not pytest's monkeypatch: its undo
+    deletes a key from torch's config module.)"""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.virtualized import V
+
+    handler, factory = _choices(ours)
+    inductor_config.inductor_choices_class = factory
+    V.set_choices_handler(handler)
+    try:
+        return run()
+    finally:
+        handler, factory = _choices(True)
+        inductor_config.inductor_choices_class = factory
+        V.set_choices_handler(handler)
+
+
+def test_compiled_checkpointed_step_recomputes_each_layer_in_its_turn():
+    """Inductor fused a checkpointed layer's recomputed rotary embedding with the next layer's rotary backward (shared
+    cos/sin reads), so the whole recompute ran before that layer's weight-gradient products and their inputs stayed
+    live (mst_core/recompute_fusion.py). Three narrow layers, 1024 tokens, `mini_sequence+checkpointing`: with our
+    choices the compiled step peaks within 5% of the eager one and below inductor's own choices by at least two
+    [1024, 128] fp32 tensors (measured: 11.77 against 13.27 MiB, eager 11.61)."""
+    ids = torch.randint(1, 128, (1, 1024), generator=torch.Generator().manual_seed(0))
+    model = make_model("llama", seed=1, attn_implementation="sdpa", use_cache=False, num_hidden_layers=3, hidden_size=128,
+                       intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, mini_sequence_chunk=256).train()
+    model.gradient_checkpointing_enable()
+    ours = _compiled_with(True, lambda: _compiled_step_peak(model, ids))
+    inductors = _compiled_with(False, lambda: _compiled_step_peak(model, ids))
+    eager = _eager_step_peak(model, ids)
+    assert ours < inductors - 2 * 1024 * 128 * 4, (ours, inductors)
+    assert ours <= 1.05 * eager, (ours, eager)
+
+
+def _eager_step_peak(model, ids):
+    from transformers.mst_core.memory import LiveTensorTracker
+
+    loss_of(model, ids, None, ids).backward()
+    model.zero_grad(set_to_none=True)
+    with LiveTensorTracker() as tracker:
+        loss_of(model, ids, None, ids).backward()
+    model.zero_grad(set_to_none=True)
+    return tracker.peak_bytes
+
+
+def test_recompute_choices_leave_graphs_without_our_operators():
+    """A model with our fields unset compiles to the same code under our choices as under inductor's own (the rule
+    applies only to backward graphs holding our operators)."""
+    from torch._inductor.utils import run_and_get_code
+
+    ids = torch.randint(1, 128, (1, 256), generator=torch.Generator().manual_seed(0))
+    model = make_model("llama", seed=1, attn_implementation="sdpa", use_cache=False, num_hidden_layers=2).train()
+    model.gradient_checkpointing_enable()
+
+    def code():
+        torch._dynamo.reset()
+        step = torch.compile(loss_of, fullgraph=True)
+        _, sources = run_and_get_code(lambda: step(model, ids, None, ids).backward())
+        model.zero_grad(set_to_none=True)
+        # Past the first line ("# AOT ID: ['<n>_forward']"), with the symbols of dynamic sizes, numbered per compile.
+        return [re.sub(r"\bs\d+\b", "s", source.partition("\n")[2]) for source in sources]
+
+    ours, inductors = _compiled_with(True, code), _compiled_with(False, code)
+    assert len(ours) == 2 and ours == inductors  # a forward and a backward graph
+
+
+def test_recompute_choices_installed_with_a_field_and_never_over_the_users(caplog):
+    import logging
+
+    import torch._inductor.config as inductor_config
+
+    from transformers.mst_core.recompute_fusion import recompute_choices
+
+    def users_choices():
+        return None
+
+    before = inductor_config.inductor_choices_class
+    try:
+        inductor_config.inductor_choices_class = None
+        make_model("llama", seed=1)
+        assert inductor_config.inductor_choices_class is None  # no field: upstream's compiler settings
+        make_model("llama", seed=1, streaming_backward_chunk=48)
+        assert inductor_config.inductor_choices_class is recompute_choices
+        inductor_config.inductor_choices_class = users_choices
+        with caplog.at_level(logging.WARNING):
+            make_model("llama", seed=1, mini_sequence_chunk=48)
+        assert inductor_config.inductor_choices_class is users_choices
+        assert "inductor_choices_class is set" in caplog.text and "users_choices" in caplog.text
+    finally:
+        inductor_config.inductor_choices_class = before
+
+
+def test_host_mask_called_eagerly_builds_the_mask_on_the_host(monkeypatch):
+    """A `HostMask` that reaches the attention outside a compiled graph (after a graph break) is built on the host and
+    upstream's call runs as eagerly, with no operator and no traced first-query probe: the output equals upstream's
+    with the mask its function builds."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.mst_core import host_mask
+
+    calls = _host_mask_calls(monkeypatch)
+    probes = []
+    monkeypatch.setattr(host_mask, "host_mask_sdpa", lambda *args: probes.append(args))
+    model = make_model("llama", seed=1, mini_sequence_chunk=48).train()
+    attention = model.model.layers[0].self_attn
+    heads, kv_heads, width = attention.config.num_attention_heads, attention.config.num_key_value_heads, attention.head_dim
+    query = torch.randn(2, heads, 20, width)
+    key, value = (torch.randn(2, kv_heads, 20, width) for _ in range(2))
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, :6] = False
+    deferred = host_mask.HostMask("create_causal_mask", mask, None)
+    got, _ = host_mask.host_mask_attention(attention, query, key, value, deferred, scaling=attention.scaling)
+    built = deferred.built(attention.config, query.transpose(1, 2))
+    assert built is not None
+    ref, _ = sdpa_attention_forward(attention, query, key, value, built, scaling=attention.scaling)
+    assert calls[0] == 0 and not probes
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)

@@ -13,4 +13,6 @@ patches; the planner, mst_planner/, on top):
 - ``memory``: the live-tensor tracker that measures memory on any device;
 - ``sharded_sequence``: the seam between sequence parallelism (``ulysses``) and a streamed layer
   (``streaming_backward``), neither importing the other.
+- ``custom_ops``, ``host_mask``, ``recompute_fusion``: what our ``torch.compile`` operators share, the causal mask
+  decided on the host under compile, and inductor's choices that keep a checkpointed layer's recompute in its turn.
 """

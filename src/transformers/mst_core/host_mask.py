@@ -45,6 +45,7 @@ from .custom_ops import (
     op_name,
 )
 from .fields import MINI_SEQUENCE_FIELD, STREAMING_FIELD
+from . import recompute_fusion  # noqa: F401  (its construction hook: a checkpointed layer's recompute under compile)
 from .model_checks import CONSTRUCTION_HOOKS
 from .replay import restore_autocast_state
 
@@ -142,14 +143,16 @@ def _empty(cache) -> bool:
 def host_mask_attention(module, query, key, value, attention_mask: HostMask, dropout=0.0, scaling=None, is_causal=None,
                         **kwargs):
     """Upstream's SDPA attention given a `HostMask` (patch 0016): one operator of the compiled graph, or where the call
-    cannot cross, upstream's call with the mask built in the graph."""
+    cannot cross, upstream's call with the mask built in the graph (or, called eagerly after a graph break, on the
+    host: as upstream's eager step builds it)."""
     from ..integrations.sdpa_attention import sdpa_attention_forward
 
     key_of_module = module_key(module)
     constants = {name: v for name, v in kwargs.items() if not isinstance(v, torch.Tensor)}
     tensors = {name: v for name, v in kwargs.items() if isinstance(v, torch.Tensor)}
     if (
-        key_of_module is None
+        not torch.compiler.is_compiling()
+        or key_of_module is None
         or dropout != 0.0
         or not can_run_eager_kernels()
         or any(t.requires_grad for t in tensors.values())  # (a position bias that learns: the operator gives it none)
