@@ -957,3 +957,26 @@ def test_host_mask_called_eagerly_builds_the_mask_on_the_host(monkeypatch):
     ref, _ = sdpa_attention_forward(attention, query, key, value, built, scaling=attention.scaling)
     assert calls[0] == 0 and not probes
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("padding", [0, 7])
+def test_streamed_layer_operator_passes_opcheck(padding):
+    """torch.library.opcheck on the streamed layer's operator (schema, fake tensor, autograd registration) as the
+    compiled graph calls it: a registered Llama layer, its rotary embedding and position ids, the mask decided on the
+    host (left padding or none), 50 rows in chunks of 16."""
+    from transformers.mst_core.custom_ops import module_key
+    from transformers.mst_core.host_mask import HostMask
+    from transformers.streaming_backward import compiled
+
+    model = make_model("llama", seed=1, streaming_backward_chunk=16).train()
+    layer = model.model.layers[0]
+    hidden = torch.randn(2, 50, model.config.hidden_size, requires_grad=True)
+    positions = torch.arange(50).expand(2, -1)
+    mask = torch.ones(2, 50, dtype=torch.bool)
+    mask[1, :padding] = False
+    kwargs = {"attention_mask": HostMask("create_causal_mask", mask, None), "position_ids": positions,
+              "position_embeddings": model.model.rotary_emb(hidden, positions)}
+    tensors, text = compiled._encode(kwargs, "cpu")
+    params = [p for p in layer.parameters() if p.requires_grad]
+    torch.library.opcheck(compiled.streamed_layer, (hidden, tensors, params, module_key(layer), text),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
