@@ -615,7 +615,8 @@ def test_mini_sequence_loss_operators_pass_opcheck(dtype, vocab, softcap, sliced
     ("gemma3_text", dict(mini_sequence_chunk=48, streaming_backward_chunk=48), False),
     ("qwen3_moe", dict(mini_sequence_chunk=48, streaming_backward_chunk=48), False),
     ("falcon_h1", dict(mini_sequence_chunk=48, streaming_backward_chunk=48), False),
-], ids=["llama-mini_sequence+checkpointing", "gemma3_text-both", "qwen3_moe-both", "falcon_h1-both"])
+    ("llama", dict(streaming_backward_chunk=48), False),
+], ids=["llama-mini_sequence+checkpointing", "gemma3_text-both", "qwen3_moe-both", "falcon_h1-both", "llama-streaming"])
 def test_trainer_torch_compile_trains_as_eager_unset(tmp_path, family, fields, checkpointing):
     """`TrainingArguments(torch_compile=True)` as users run it, with gradient accumulation and padded rows: no graph
     break, one compiled graph, and the logged losses and the weights' updates equal the eager Trainer's with the fields
