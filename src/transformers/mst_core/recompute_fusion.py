@@ -18,6 +18,8 @@ installed through `torch._inductor.config.inductor_choices_class` when a model w
 are left to inductor's own heuristics, so a model without our fields compiles as upstream's.
 """
 
+import functools
+import sys
 import weakref
 
 from .._mst_version import LOCAL_VERSION
@@ -55,6 +57,7 @@ def recomputed_regions(scheduler_node) -> frozenset:
     return frozenset(regions)
 
 
+@functools.cache
 def _choices_class():
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
@@ -105,7 +108,10 @@ def install(model) -> None:
 
 def _replace_default_handler() -> None:
     """Inductor makes its choices handler once per thread, from the config, when it first needs one: a thread that
-    compiled before this model was built keeps inductor's plain default. This thread gets ours in its place."""
+    compiled before this model was built keeps inductor's plain default. This thread gets ours in its place. (No
+    handler exists before inductor's choices module is imported: then nothing is imported here, a second.)"""
+    if "torch._inductor.choices" not in sys.modules:
+        return
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
