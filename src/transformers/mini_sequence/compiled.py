@@ -48,14 +48,14 @@ from ..mst_core.custom_ops import (
     op_name,
 )
 from ..mst_core.fields import MINI_SEQUENCE_FIELD
-from ..mst_core.model_checks import CONSTRUCTION_HOOKS
+from ..mst_core.model_checks import CONSTRUCTION_HOOKS, text_config
 from ..mst_core.replay import capture_rng_state, restore_autocast_state
 from ..mst_core.wrappers import function_parameters
 
 
 def name_modules_for_compile(model) -> None:
     """At model construction, with the field set: keys for the model's modules (the operators' arguments)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     if getattr(config, MINI_SEQUENCE_FIELD, None) is not None:
         name_modules(model.modules())
 

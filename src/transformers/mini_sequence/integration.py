@@ -10,6 +10,7 @@
 """
 
 from ..mst_core.chunks import inside_streamed_chunk, policy_device_type
+from ..mst_core.model_checks import text_config
 from ..loss.loss_utils import ForCausalLMLoss
 from ..modeling_outputs import CausalLMOutputWithPast
 from ..utils import logging
@@ -111,13 +112,6 @@ def final_norm(model, hidden_states, norm=None):
     return mini_sequence_norm(norm, hidden_states, chunk_size)
 
 
-def _text_config(model):
-    """The config holding the flag and the LM head's sizes: the model's own, or a composite's text config
-    (Gemma3ForConditionalGeneration with `text_config.mini_sequence_chunk`)."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def computes_loss(model, labels) -> bool:
     """Whether `model.forward` should compute its loss chunk-wise (and return `logits=None`).
 
@@ -128,7 +122,7 @@ def computes_loss(model, labels) -> bool:
     LM-head chunk: splitting nothing saves nothing, and the
     chunked path's fp32 [V, d] gradient buffer would put its peak above upstream's.
     """
-    config = _text_config(model)
+    config = text_config(model.config)
     if not enabled(config) or labels is None or not model.training:
         return False
     num_tokens = labels.numel()
@@ -185,7 +179,7 @@ def _model_softcapping(model):
 
 
 def _chunked_loss(model, hidden_states, labels, final_logit_softcapping, **kwargs):
-    config = _text_config(model)
+    config = text_config(model.config)
     num_tokens = hidden_states.shape[0] * hidden_states.shape[1]
     return mini_sequence_causal_lm_loss(
         hidden_states,

@@ -46,7 +46,7 @@ from .custom_ops import (
 )
 from .fields import MINI_SEQUENCE_FIELD, STREAMING_FIELD
 from . import recompute_fusion  # noqa: F401  (its construction hook: a checkpointed layer's recompute under compile)
-from .model_checks import CONSTRUCTION_HOOKS
+from .model_checks import CONSTRUCTION_HOOKS, text_config
 from .replay import restore_autocast_state
 
 
@@ -88,7 +88,7 @@ def built_masks(config, kwargs: dict, like: torch.Tensor) -> dict:
 def name_attention_modules(model) -> None:
     """At model construction, with a field set: keys for the attention modules (upstream's, which call the attention
     interface with `self`), which `host_mask_attention`'s operator takes."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     if _field_set(config):
         name_modules(m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config"))
 

@@ -64,6 +64,12 @@ def validate_fields(config) -> None:
 CONSTRUCTION_HOOKS = []
 
 
+def text_config(config):
+    """The config a model's text stack reads our fields from: a composite's text config (`get_text_config`), or the
+    model's own. Construction hooks look here: the patched layers read the field from their own (text) config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _fields_config(config):
     """The config our fields apply from: the Gemma-3, Gemma-4, Qwen3-VL and Qwen3-VL-MoE composites (`text_config` in
     the registry) read them from their text config, where their text stack and their head look; any other model its
@@ -110,10 +116,9 @@ def check_model(model) -> None:
         )
     # A composite model (LLaVA & co) with the flag on its text config: the language model's MLP is
     # split, but the composite's own LM head + loss is upstream's. Say so rather than half-apply it.
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    text_value = getattr(text_config, MINI_SEQUENCE_FIELD, None)
+    text_value = getattr(text_config(config), MINI_SEQUENCE_FIELD, None)
     lm_head_types = MINI_SEQUENCE_MODEL_TYPES + TEXT_CONFIG_LM_HEAD_MODEL_TYPES
-    if text_config is not config and text_value is not None and model_type not in lm_head_types:
+    if text_config(config) is not config and text_value is not None and model_type not in lm_head_types:
         logger.warning_once(
             f"{type(model).__name__} (model_type={model_type!r}): text_config.mini_sequence_chunk={text_value!r} "
             f"splits the language model's MLP into mini-sequences, but {type(model).__name__} computes its LM head "

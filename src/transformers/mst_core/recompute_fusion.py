@@ -24,7 +24,7 @@ import weakref
 
 from .._mst_version import LOCAL_VERSION
 from ..utils import logging
-from .model_checks import CONSTRUCTION_HOOKS, _fields_config
+from .model_checks import CONSTRUCTION_HOOKS, text_config
 from .fields import MINI_SEQUENCE_FIELD, STREAMING_FIELD
 
 
@@ -88,7 +88,7 @@ def recompute_choices():
 def install(model) -> None:
     """At model construction, with a field of ours set: `recompute_choices` as inductor's choices class, unless one
     is set already (ours: nothing to do; the user's: a warning, and theirs stays)."""
-    config = _fields_config(model.config)
+    config = text_config(model.config)
     if all(getattr(config, field, None) is None for field in (MINI_SEQUENCE_FIELD, STREAMING_FIELD)):
         return
     import torch._inductor.config as inductor_config

@@ -12,13 +12,13 @@ conv and recurrent states instead (recurrent.py). The model types it streams are
 
 from ..mst_core.families import FAMILIES
 from ..mst_core.fields import STREAMING_FIELD
-from ..mst_core.model_checks import CONSTRUCTION_HOOKS
+from ..mst_core.model_checks import CONSTRUCTION_HOOKS, text_config
 from .layer import applies, decoder_layer_forward
 
 
 def _name_layers_for_compile(model) -> None:
     """At model construction, with the field set: keys for the decoder layers (compiled.py's operator)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     if getattr(config, STREAMING_FIELD, None) is not None:
         from . import compiled
 
@@ -33,7 +33,7 @@ def _config_for_layers(model) -> None:
     from ..modeling_layers import GradientCheckpointingLayer
     from .parts import layer_config
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     if getattr(FAMILIES.get(getattr(config, "model_type", None)), "streaming_recurrent", None) is None:
         return
     for module in model.modules():
