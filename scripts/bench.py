@@ -349,21 +349,28 @@ def sweep_compile(args, device):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(methods) * len(args.seq))
     with tqdm(total=len(args.seq) * len(methods) * (2 + args.repeats), desc="compile", file=sys.stderr) as progress:
         for seq in args.seq:
-            trainees, breaks = {}, {}
+            trainees, breaks, first_step = {}, {}, {}
             for name, method in methods.items():
                 torch._dynamo.reset()
                 counters.clear()
                 trainees[name] = trainee(args.family, method, seq, device, args.dtype, compiled=True)
+                start = time.perf_counter()
                 first_loss = trainees[name].step()  # compiles
+                first_step[name] = time.perf_counter() - start
                 breaks[name] = (sum(counters["graph_break"].values()), first_loss)
                 progress.update(1)
             for t in trainees.values():
                 t.step()
                 progress.update(1)
             times = {name: [] for name in methods}
+            # Graphs dynamo makes during the timed steps: a recompilation, step after step (none expected: every
+            # method compiled its graphs in the two steps above).
+            recompiled = dict.fromkeys(methods, 0)
             for _ in range(args.repeats):
                 for name, t in trainees.items():
+                    graphs = counters["stats"]["unique_graphs"]
                     times[name].append(t.timed_step())
+                    recompiled[name] += counters["stats"]["unique_graphs"] - graphs
                     progress.update(1)
             peaks = {name: peak_above_start_bytes(t) for name, t in trainees.items()}
             del trainees
@@ -375,6 +382,9 @@ def sweep_compile(args, device):
                 del eager
                 rows.append({"family": args.family, "seq_len": seq, "method": name, "graph_breaks": breaks[name][0],
                              "first_loss": round(breaks[name][1], 6), "step_time_s": statistics.median(times[name]),
+                             "first_step_s": round(first_step[name], 1),
+                             "first_step_extra_s": round(first_step[name] - statistics.median(times[name]), 1),
+                             "recompiled_graphs": recompiled[name],
                              "speed_vs_eager": round(eager_time / statistics.median(times[name]), 3),
                              "peak_MiB": round(peaks[name] / MIB, 1), "eager_peak_MiB": round(eager_peak / MIB, 1),
                              "peak_vs_eager": round(peaks[name] / eager_peak, 3)})
@@ -844,7 +854,10 @@ def main(argv=None):
                                 "compiled steps, median of as many); "
                                 "peak_MiB / eager_peak_MiB: bytes allocated during one step above its start, compiled / "
                                 "the same method eager (CPU: torch.profiler's memory timeline, inductor's buffers "
-                                "included); time = median")
+                                "included); first_step_s: the compiling step's time (dynamo and inductor, with inductor's "
+                                "on-disk cache as found), first_step_extra_s: what a user waits for once, that time "
+                                "less a compiled step's; recompiled_graphs: graphs dynamo made during the timed steps "
+                                "(0: no recompilation step after step); time = median")
         suffix = "" if args.dtype == torch.float32 else f"_{str(args.dtype).removeprefix('torch.')}"
         write(rows, args.out, f"compile_{args.family}{suffix}", header)
     elif args.sweep == "families":

@@ -125,6 +125,21 @@ def test_host_sweep(tmp_path):
             assert float(r["ops_vs_checkpointing"]) > 1.0
 
 
+def test_compile_sweep_reports_the_first_step_and_no_recompilation(tmp_path):
+    """`bench.py compile`: what a user waits for once (the compiling step's time, less a compiled step's) and the
+    graphs dynamo made during the timed steps: none, step after step."""
+    bench = str(REPO / "scripts" / "bench.py")
+    result = run_py([bench, "compile", "--seq", "64", "--methods", "mini_sequence+checkpointing", "--repeats", "2",
+                     "--out", str(tmp_path), "--device", "cpu"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    (row,) = read_csv(tmp_path / "compile_llama.csv")
+    assert row["method"] == "mini_sequence+checkpointing" and int(row["graph_breaks"]) == 0
+    assert int(row["recompiled_graphs"]) == 0
+    assert float(row["first_step_s"]) > float(row["step_time_s"]) > 0
+    extra = float(row["first_step_s"]) - float(row["step_time_s"])
+    assert abs(float(row["first_step_extra_s"]) - extra) <= 0.1 + 1e-9, row  # both rounded to 0.1 s
+
+
 def test_profiler_peak_equals_live_tensor_peak_for_an_eager_step():
     """`bench.peak_above_start_bytes` (torch.profiler's memory timeline, which sees inductor's buffers) against the
     live-tensor tracker on an eager step, where both see every tensor: the same peak."""
