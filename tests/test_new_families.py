@@ -167,13 +167,26 @@ def test_exact_against_unsplit(family, chunk):
 
 @pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
 def test_exact_with_gradient_checkpointing(family):
-    inputs = batch(5)
+    assert_checkpointed_step_exact(family, batch(5))
+
+
+def assert_checkpointed_step_exact(family, inputs):
+    """Under activation checkpointing, chunks of 7 against the flag unset."""
     results = []
     for chunk in (None, 7):
         model = make_model(family, mini_sequence_chunk=chunk)
         model.activation_checkpointing_enable()
         results.append(train_step(model, *inputs))
     assert_same_step(results[1], results[0])
+
+
+@pytest.mark.parametrize("family", sorted(t for t, f in REGISTRY.items() if f.mini_sequence == "mlp" and f.tiny))
+def test_exact_with_a_batch_of_one_sequence(family):
+    """A batch of one sequence (left-padded, ignored labels) under checkpointing: the dense MLPs and norms then run
+    their chunks on the tokens' rows [S, d] (mini_sequence/mlp.py `on_token_rows`), the batch's [1, S, d] elsewhere;
+    the other tests' batches of 2 and 3 never take that path."""
+    one_sequence = [tensor[1:] for tensor in batch(zlib.crc32(f"one/{family}".encode()) % 1000)]
+    assert_checkpointed_step_exact(family, one_sequence)
 
 
 @pytest.mark.parametrize("family", sorted(f for f in NEW_FAMILIES if REGISTRY[f].mini_sequence == "mlp")

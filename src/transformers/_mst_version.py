@@ -5,4 +5,4 @@ The installed version is upstream's release plus this label, e.g. ``5.24.0+mst.1
 CHANGELOG.md entry, on every change of what the distribution ships.
 """
 
-LOCAL_VERSION = "mst.44"
+LOCAL_VERSION = "mst.45"
