@@ -380,12 +380,13 @@ def sweep_compile(args, device):
                 eager_time = statistics.median(eager.timed_step() for _ in range(args.repeats))
                 eager_peak = peak_above_start_bytes(eager)
                 del eager
+                step_time = statistics.median(times[name])
                 rows.append({"family": args.family, "seq_len": seq, "method": name, "graph_breaks": breaks[name][0],
-                             "first_loss": round(breaks[name][1], 6), "step_time_s": statistics.median(times[name]),
+                             "first_loss": round(breaks[name][1], 6), "step_time_s": step_time,
                              "first_step_s": round(first_step[name], 1),
-                             "first_step_extra_s": round(first_step[name] - statistics.median(times[name]), 1),
+                             "first_step_extra_s": round(first_step[name] - step_time, 1),
                              "recompiled_graphs": recompiled[name],
-                             "speed_vs_eager": round(eager_time / statistics.median(times[name]), 3),
+                             "speed_vs_eager": round(eager_time / step_time, 3),
                              "peak_MiB": round(peaks[name] / MIB, 1), "eager_peak_MiB": round(eager_peak / MIB, 1),
                              "peak_vs_eager": round(peaks[name] / eager_peak, 3)})
     for r in rows:

@@ -187,8 +187,8 @@ MLP_FAMILIES = sorted(t for t, f in REGISTRY.items() if f.tiny and f.mini_sequen
 def test_exact_with_a_batch_of_one_sequence(family):
     """A batch of one sequence (left-padded, ignored labels) under checkpointing: the dense MLPs (the MoE families' too:
     their dense layers and shared experts) and the norms then run their chunks on the tokens' rows [S, d]
-    (mini_sequence/mlp.py `on_token_rows`), the batch's [1, S, d] elsewhere; the other tests' batches of 2 and 3 never
-    take that path."""
+    (mini_sequence/mlp.py `chunked_function`, `token_rows`), the batch's [1, S, d] elsewhere; the other tests' batches
+    of 2 and 3 never take that path."""
     one_sequence = [tensor[1:] for tensor in batch(zlib.crc32(f"one/{family}".encode()) % 1000)]
     assert_checkpointed_step_exact(family, one_sequence)
 

@@ -196,25 +196,24 @@ def mini_sequence_mlp(mlp, hidden_states: torch.Tensor, chunk_size: int, forward
         # autograd see each chunk's real forward (mst_core/wrappers.py explains why).
         chunks = checkpointed_chunks(lambda chunk, start, end: forward_fn(mlp, chunk), hidden_states, chunk_size)
         return torch.cat(chunks, dim=-2)
-    return on_token_rows(lambda x: chunked_function(forward_fn, mlp, x, chunk_size, params), hidden_states)
+    return chunked_function(forward_fn, mlp, hidden_states, chunk_size, params, token_rows=True)
 
 
-def on_token_rows(run, hidden_states: torch.Tensor):
-    """`run(hidden_states)` for a token-wise block (a dense MLP, a norm) run by the Function, which no hook sees (the
-    module's tree has none: `function_parameters`): a batch of one sequence [1, S, d] goes in as its tokens' rows
-    [S, d], a view. The numbers are the same (a linear layer on [1, C, d] is one [C, d] matrix product between two
-    reshapes); each chunk's projections then skip those reshapes and their backward's: on scripts/host_cost.py's
-    stack (16 layers, 8 chunks, batch 1) `mini_sequence+checkpointing` dispatched 13347 -> 11127 operators a step.
-    A larger batch stays [B, S, d]: its chunk [B, C, d] is not one block of rows."""
-    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
-        return run(hidden_states)
-    out = run(hidden_states.view(hidden_states.shape[1:]))
-    return out.view((1,) + out.shape)
-
-
-def chunked_function(forward_fn, module, hidden_states, chunk_size, params, fp32_sums=True):
+def chunked_function(forward_fn, module, hidden_states, chunk_size, params, fp32_sums=True, token_rows=False):
     """`forward_fn(module, hidden_states)` through `_MiniSequenceMLPFunction`, which takes `params` as inputs and sums
-    their half-precision gradients over the chunks in fp32 unless `fp32_sums=False` (`accumulate_grads`)."""
+    their half-precision gradients over the chunks in fp32 unless `fp32_sums=False` (`accumulate_grads`).
+
+    `token_rows`, for a token-wise block that returns one tensor (a dense MLP, a norm; not a MoE block, whose forward
+    reads the batch and sequence sizes): a batch of one sequence [1, S, d] goes in as its tokens' rows [S, d], a view,
+    and comes out as [1, S, *]. No hook sees it (the Function takes only modules without any: `function_parameters`).
+    The numbers are the same (a linear layer on [1, C, d] is one [C, d] matrix product between two reshapes); each
+    chunk's projections skip those reshapes and their backward's: on scripts/host_cost.py's stack (16 layers, 8
+    chunks, batch 1) `mini_sequence+checkpointing` dispatched 13347 -> 11127 operators a step. A larger batch stays
+    [B, S, d]: its chunk [B, C, d] is not one block of rows."""
+    if token_rows and hidden_states.dim() == 3 and hidden_states.shape[0] == 1:
+        out = chunked_function(forward_fn, module, hidden_states.view(hidden_states.shape[1:]), chunk_size, params,
+                               fp32_sums)
+        return out.view((1,) + out.shape)
     if not (hidden_states.requires_grad or params):
         return _forward_chunks(forward_fn, module, hidden_states, chunk_size)  # frozen: nothing to keep
     x = SavedInput.apply(hidden_states) if hidden_states.requires_grad else hidden_states
@@ -242,9 +241,8 @@ def mini_sequence_mlp_then_norm(mlp, norm, hidden_states: torch.Tensor, chunk_si
             return traced
         mlp_params, norm_params = function_parameters(mlp), function_parameters(norm)
         if mlp_params is not None and norm_params is not None and foreign_forward(mlp) is None:
-            return on_token_rows(
-                lambda x: chunked_function(_mlp_then_norm, (mlp, norm), x, chunk_size, mlp_params + norm_params),
-                hidden_states)
+            return chunked_function(_mlp_then_norm, (mlp, norm), hidden_states, chunk_size, mlp_params + norm_params,
+                                    token_rows=True)
     return norm(mlp(hidden_states))
 
 

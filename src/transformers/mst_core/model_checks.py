@@ -116,9 +116,10 @@ def check_model(model) -> None:
         )
     # A composite model (LLaVA & co) with the flag on its text config: the language model's MLP is
     # split, but the composite's own LM head + loss is upstream's. Say so rather than half-apply it.
-    text_value = getattr(text_config(config), MINI_SEQUENCE_FIELD, None)
+    text = text_config(config)
+    text_value = getattr(text, MINI_SEQUENCE_FIELD, None)
     lm_head_types = MINI_SEQUENCE_MODEL_TYPES + TEXT_CONFIG_LM_HEAD_MODEL_TYPES
-    if text_config(config) is not config and text_value is not None and model_type not in lm_head_types:
+    if text is not config and text_value is not None and model_type not in lm_head_types:
         logger.warning_once(
             f"{type(model).__name__} (model_type={model_type!r}): text_config.mini_sequence_chunk={text_value!r} "
             f"splits the language model's MLP into mini-sequences, but {type(model).__name__} computes its LM head "
