@@ -41,9 +41,9 @@ install: wheel
 	$(PIP) install --quiet --force-reinstall --no-deps $(WHEEL_DIR)/transformers-*.whl
 	$(PIP) install --quiet $(WHEEL_DIR)/transformers-*.whl -r requirements-test.txt
 
-# The suite's test files spread over one worker process per core (pytest-xdist; a file's tests stay on one worker, so
-# its module fixtures run once), each with one intra-op thread: two threads per process on a core each spin while
-# the other process runs (README, "Set up and test"). TEST_WORKERS=0 runs it in one process, as plain pytest does.
+# The test files spread over one worker process per core (pytest-xdist; a file's tests stay on one worker, so its
+# module fixtures run once), each with one intra-op thread: with two, a process's threads spin while the other process
+# holds the cores (README, "Set up and test"). TEST_WORKERS=0: one process, still on one thread.
 TEST_WORKERS ?= auto
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests

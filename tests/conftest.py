@@ -75,17 +75,3 @@ def run_py(args, cwd=None, env_extra=None, check=False):
     if check and result.returncode != 0:
         raise AssertionError(f"{args} failed:\n{result.stdout}\n{result.stderr}")
     return result
-
-
-# The files that take longest (pytest --durations on a 2-core machine), first: `make test`'s workers (pytest-xdist,
-# one file at a time each) then end together instead of one running a long file alone at the end.
-LONGEST_FILES = ("test_compile.py", "test_plan.py", "test_distributed.py", "test_bench.py", "test_streaming_recurrent.py",
-                 "test_ulysses.py", "test_cuda_check.py")
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = item.path.name
-        return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
-
-    items.sort(key=rank)  # stable: each file's tests keep their order
