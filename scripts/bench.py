@@ -11,8 +11,10 @@
             vs mini_sequence+checkpointing at 32K (fp32, bf16), and a sweep of
             streaming_backward_chunk values (time and peak) at 8K/16K.
   host      host work per step (scripts/host_cost.py): aten operators dispatched, tokens through q_proj and
-            gate_proj, and the host-bound step time of a narrow 16-layer Llama (d=32, 512 tokens, 8 chunks), per
-            method relative to checkpointing, without and with a forward pre-hook on every module (as ZeRO-3).
+            gate_proj, and the host-bound step time of a narrow 16-layer Llama (d=32, 512 tokens), per
+            method relative to checkpointing, with the chunk counts "auto" gives Llama-3.2-1B at 16K on the
+            CPU (8 MLP, 8 streamed) and on an accelerator (4, 4), without and with a forward pre-hook on
+            every module (as ZeRO-3).
   compile   torch.compile: per method, the graph breaks of a compiled training step (dynamo's
             counters), the compiled step time against the compiled flags-unset step, and the step's
             peak above its start, compiled and eager (CPU: torch.profiler's memory timeline, which

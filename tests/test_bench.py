@@ -109,13 +109,22 @@ def test_mamba_bad_arguments_exit_2(tmp_path):
 
 
 def test_host_sweep(tmp_path):
-    """`bench.py host`: every method without and with hooks, counts and ratios to checkpointing in the same run."""
+    """`bench.py host`: every method with the CPU's and an accelerator's "auto" chunk counts, without and with hooks,
+    counts and ratios to checkpointing's with the same chunks and hooks in the same run."""
     bench = str(REPO / "scripts" / "bench.py")
     result = run_py([bench, "host", "--repeats", "1", "--out", str(tmp_path), "--device", "cpu"])
     assert result.returncode == 0, result.stderr[-2000:]
     rows = read_csv(tmp_path / "host.csv")
     methods = ["checkpointing", "mini_sequence+checkpointing", "streaming", "mini_sequence+streaming"]
-    assert [(r["hooks"], r["method"]) for r in rows] == [(h, m) for h in ("none", "every module") for m in methods]
+    chunks = ["cpu auto: 8 MLP, 8 streamed", "cuda auto: 4 MLP, 4 streamed"]
+    assert [(r["chunks"], r["hooks"], r["method"]) for r in rows] == [
+        (c, h, m) for c in chunks for h in ("none", "every module") for m in methods
+    ]
+    # fewer chunks, fewer operators per step: the counts follow the policies
+    ops = {(r["chunks"], r["hooks"], r["method"]): int(r["aten_ops"]) for r in rows}
+    for h in ("none", "every module"):
+        assert ops[chunks[1], h, "checkpointing"] == ops[chunks[0], h, "checkpointing"]
+        assert ops[chunks[1], h, "streaming"] < ops[chunks[0], h, "streaming"]
     for r in rows:
         assert int(r["view_ops"]) < int(r["aten_ops"]) and float(r["step_time_ms"]) > 0
         assert float(r["q_proj_passes"]) == float(r["gate_proj_passes"]) == 2.0
