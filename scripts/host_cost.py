@@ -4,7 +4,8 @@ Each aten operator a step dispatches is at least one kernel launch on a GPU, or 
 exactly, on any machine, by a `TorchDispatchMode` (`OperatorCount`). Views and other metadata-only operators
 (`OpOverload.is_view`, `detach`) launch nothing but still cost the host a dispatch: reported apart as `view_ops`.
 Where part of a step runs compiled, inductor's generated kernels bypass the dispatcher: not counted here (no method
-of ours compiles its chunks yet; a compiled step is measured by `bench.py compile`).
+of ours compiles its chunks; a compiled step is measured by `bench.py compile`, compiled chunk bodies of the streamed
+layer by `streamed_compile_probe.py`, which counts launches with torch.profiler).
 
 The model is a Llama-style stack narrow enough that its kernels take next to nothing (d=32, 16 layers, 512 tokens,
 fp32), so the step's time on one thread is host time: Python, autograd and the dispatcher. Its chunks are as many as
@@ -58,6 +59,8 @@ def chunk_counts(policy="cpu"):
 def chunk_tokens(policy="cpu", seq_len=SEQ_LEN):
     """(MLP chunk, streamed chunk) in tokens of the narrow stack's `seq_len`: as many chunks as `chunk_counts`."""
     return tuple(-(-seq_len // count) for count in chunk_counts(policy))
+
+
 _METADATA_ONLY = {"aten::detach", "aten::alias", "aten::_unsafe_view", "aten::lift_fresh"}
 
 
@@ -101,7 +104,8 @@ def projection_weights(model, *names):
 def build(method, hooks=False, seq_len=SEQ_LEN, shape=None, policy="cpu"):
     mini_sequence, checkpointing, streaming = METHODS[method]
     mlp_chunk, streamed_chunk = chunk_tokens(policy, seq_len)
-    config = transformers.LlamaConfig(**{**SHAPE, **(shape or {})}, mini_sequence_chunk=mlp_chunk if mini_sequence else None,
+    config = transformers.LlamaConfig(**{**SHAPE, **(shape or {})},
+                                      mini_sequence_chunk=mlp_chunk if mini_sequence else None,
                                       streaming_backward_chunk=streamed_chunk if streaming else None,
                                       attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)

@@ -121,7 +121,7 @@ def main(argv=None):
     print(f"{args.layers} layers, {args.seq} tokens, {args.policy} auto chunk counts ({mlp_chunks} MLP, "
           f"{streamed_chunks} streamed); medians of {args.repeats} interleaved steps; graphs: {graphs} "
           f"({recompiled} more during the timed steps)")
-    print(f"| case | launches | vs checkpointing | ms per step | vs checkpointing | first step s |")
+    print("| case | launches | vs checkpointing | ms per step | vs checkpointing | first step s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in cases:
         print(f"| {name} | {counted[name]} | {counted[name] / counted['checkpointing']:.2f}x | "
