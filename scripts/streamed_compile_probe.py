@@ -56,7 +56,9 @@ def probe_changes(compiled: bool):
         original_init(self, forward, *args, **kwargs)
         self.causal_bias, self.keys_dtype = False, torch.float32  # every chunk an OffsetChunkMasks view
         if compiled:
-            body = _COMPILED.setdefault(forward, torch.compile(inspect.unwrap(forward)))
+            if forward not in _COMPILED:
+                _COMPILED[forward] = torch.compile(inspect.unwrap(forward))
+            body = _COMPILED[forward]
 
             def contiguous_mask(layer, x, **kw):
                 if kw.get(self.mask_name) is not None:
