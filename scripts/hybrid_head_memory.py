@@ -40,9 +40,11 @@ METHODS = {"streaming": dict(streaming_backward_chunk="auto"),
            "streaming+mini_sequence": dict(streaming_backward_chunk="auto", mini_sequence_chunk="auto")}
 
 
-def measure(name, method, seq):
-    """(peak live MiB, loss) of one step of `name` under `method` on `seq` tokens."""
+def measure(name, method, seq, vocab=None):
+    """(peak live MiB, loss) of one step of `name` under `method` on `seq` tokens (`vocab`: another vocabulary size
+    than the checkpoint's)."""
     config_class, model_class, sizes = MODELS[name]
+    sizes = {**sizes, **({"vocab_size": vocab} if vocab else {})}
     config = config_class(**sizes, **METHODS[method], attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
     model = model_class(config).train()
@@ -64,14 +66,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="one vocabulary size for every model instead of its checkpoint's (at least 1000)")
     args = parser.parse_args()
+    if args.vocab is not None and args.vocab < 1000:
+        parser.error(f"--vocab {args.vocab}: the steps' token ids go up to 999; allowed: at least 1000")
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, CPU, fp32, batch 1, d=256")
     print("| model | V | tokens | streaming, MiB | streaming + mini_sequence, MiB | loss (streaming / both) |")
     print("|---|---:|---:|---:|---:|---|")
     for name in args.models:
         for seq in args.seq:
-            (alone, loss_alone), (both, loss_both) = (measure(name, method, seq) for method in METHODS)
-            print(f"| {name} | {MODELS[name][2]['vocab_size']} | {seq} | {alone:.1f} | {both:.1f} | "
+            (alone, loss_alone), (both, loss_both) = (measure(name, method, seq, args.vocab) for method in METHODS)
+            print(f"| {name} | {args.vocab or MODELS[name][2]['vocab_size']} | {seq} | {alone:.1f} | {both:.1f} | "
                   f"{loss_alone:.6f} / {loss_both:.6f} |", flush=True)
 
 
