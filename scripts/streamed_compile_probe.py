@@ -128,7 +128,6 @@ def main(argv=None):
     for name in cases:
         print(f"| {name} | {counted[name]} | {counted[name] / counted['checkpointing']:.2f}x | "
               f"{median[name] * 1e3:.1f} | {median[name] / median['checkpointing']:.3f}x | {first[name]:.2f} |")
-    return counted, median, graphs, recompiled
 
 
 if __name__ == "__main__":
