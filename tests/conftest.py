@@ -15,6 +15,12 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from mstbuild import core, series  # noqa: E402
 
+import time_budget  # noqa: E402
+
+
+def pytest_configure(config):
+    time_budget.register(config)
+
 # DeepSpeed JIT-builds its CPU shared-memory comm op (deepspeed/comm/torch.py, build_shm_op) on the
 # first init_distributed, under torch's file lock `<TORCH_EXTENSIONS_DIR>/<op>/lock`. A process killed
 # mid-build leaves that lock behind, and every later DeepSpeed process waits on it forever (our
