@@ -16,18 +16,23 @@ import pytest
 import torch
 import transformers
 from conftest import run_py
-from tiny_models import (COMMON, MOE_FAMILIES, NEW_FAMILIES, NO_AUX_LOSS, REGISTRY, UNTRAINED_UPSTREAM, fp64_throughout,
+from tiny_models import (COMMON, FAMILIES, MOE_FAMILIES, NEW_FAMILIES, NO_AUX_LOSS, REGISTRY, UNTRAINED_UPSTREAM, fp64_throughout,
                         make_config, make_model)
 from test_streaming import flash_reference  # noqa: F401  (a pytest fixture)
 from transformers.mini_sequence import lm_head_chunk_size
 
 SEQ = 40
+# At 40 tokens a chunk of 64 runs the path of SEQ + 5 (one MLP chunk, an uneven LM head over the batch's tokens).
 CHUNKS = [1, 7, SEQ - 1, SEQ + 5, "auto"]
 RTOL = 1e-5
+# The family matrix: the flag and exactness on every family with a tiny config whose MLP, MoE block or LM head
+# mini-sequences split (the hybrids': tests/test_streaming_recurrent.py).
+MATRIX = sorted(FAMILIES) + sorted(NEW_FAMILIES)
 
 
 def batch(seed, bsz=2, seq=SEQ, high=COMMON["vocab_size"]):
-    """Random tokens, row 1 left-padded, a quarter of row 0's labels ignored."""
+    """Random tokens, row 1 left-padded, a quarter of row 0's labels ignored; rows past the second: every label
+    ignored."""
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, high, (bsz, seq), generator=gen)
     attention_mask = torch.ones_like(input_ids)
@@ -35,6 +40,7 @@ def batch(seed, bsz=2, seq=SEQ, high=COMMON["vocab_size"]):
     labels = input_ids.clone()
     labels[attention_mask == 0] = -100
     labels[0, torch.randperm(seq, generator=gen)[: seq // 4]] = -100
+    labels[2:] = -100
     return input_ids, attention_mask, labels
 
 
@@ -98,11 +104,12 @@ def assert_same_step(result, reference, fp64_checked=()):
 # ----------------------------------------------------------------------------- the flag
 
 
-@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
-@pytest.mark.parametrize("bad", [0, -3, 4.0, True, "Auto"])
-def test_bad_flag_rejected_at_construction(family, bad):
-    with pytest.raises(ValueError, match=r"mini_sequence_chunk.*None, \"auto\", or a positive int"):
-        make_config(family, mini_sequence_chunk=bad)
+@pytest.mark.parametrize("family", MATRIX)
+def test_bad_flag_rejected_at_construction(family):
+    """Every family's config refuses each bad value (one validator, mst_core/fields.py: one case per family)."""
+    for bad in (0, -3, 4.0, 1.5, True, False, "Auto", "max", "", [8], {"mlp": 8}):
+        with pytest.raises(ValueError, match=r"mini_sequence_chunk.*None, \"auto\", or a positive int"):
+            make_config(family, mini_sequence_chunk=bad)
 
 
 @pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
@@ -150,11 +157,12 @@ def test_flag_off_bit_identical_to_pristine_upstream(pristine_tree, tmp_path):
 # ----------------------------------------------------------------------------- exactness, fp32
 
 
-@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+@pytest.mark.parametrize("family", MATRIX)
 @pytest.mark.parametrize("chunk", CHUNKS, ids=str)
 def test_exact_against_unsplit(family, chunk):
+    """Three rows (left padding, ignored labels, a row whose labels are all ignored), fp32, every gradient."""
     # crc32, not hash(): str hashes change with PYTHONHASHSEED, so a failure would not reproduce.
-    inputs = batch(zlib.crc32(f"new/{family}/{chunk}".encode()) % 1000)
+    inputs = batch(zlib.crc32(f"new/{family}/{chunk}".encode()) % 1000, bsz=3)
     reference = train_step(make_model(family), *inputs)
     result = train_step(make_model(family, mini_sequence_chunk=chunk), *inputs)
     config = make_config(family)
@@ -165,7 +173,7 @@ def test_exact_against_unsplit(family, chunk):
     assert_same_step(result, reference)
 
 
-@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+@pytest.mark.parametrize("family", MATRIX)
 def test_exact_with_gradient_checkpointing(family):
     assert_checkpointed_step_exact(family, batch(5))
 
@@ -260,7 +268,7 @@ def test_granite_head_with_a_bias_is_refused(family):
         model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
 
-@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+@pytest.mark.parametrize("family", MATRIX)
 def test_eval_keeps_upstream_logits(family):
     ids, mask, labels = batch(10)
     ref = make_model(family).eval()(input_ids=ids, attention_mask=mask, labels=labels)

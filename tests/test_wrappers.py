@@ -2,7 +2,7 @@
 
 One-process stand-ins for what FSDP2 (a pre-hook swaps in unsharded parameters), FSDP1
 (weights installed as plain views of one flat parameter) and accelerate do; the real wrappers
-run in tests/test_distributed_wrappers.py. Each case is checked against the unsplit module on
+run in tests/test_distributed.py (2 gloo processes). Each case is checked against the unsplit module on
 fresh random inputs, and each stand-in lost its gradient silently before the fix (None).
 """
 
